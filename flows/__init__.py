@@ -1,0 +1,1 @@
+"""Prefect flows over the same DVC-driven stages: schedules, retries, logs and artifacts."""

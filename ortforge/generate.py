@@ -1,0 +1,92 @@
+"""Greedy generation through the KV cache, and text streaming that never splits a character.
+
+This is what an application imports to run an artifact: it needs onnxruntime, numpy and tokenizers
+only (no torch, transformers, Prefect or DVC).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from ortforge.decoder import Decoder
+from ortforge.names import GENERATION_CONFIG_FILE
+from ortforge.session import SessionSettings, create_session
+
+
+def greedy_tokens(
+    decoder: Decoder, prompt_ids: list[int], max_new_tokens: int, stop_ids: Iterable[int] = ()
+) -> Iterator[int]:
+    """Yield up to max_new_tokens argmax tokens; one prefill pass, then one step per token."""
+    stop = set(stop_ids)
+    logits, cache = decoder.forward(prompt_ids, decoder.empty_cache())
+    for produced in range(1, max_new_tokens + 1):
+        token = int(np.argmax(logits[-1]))
+        yield token
+        if token in stop or produced == max_new_tokens:
+            return
+        logits, cache = decoder.forward([token], cache)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing token sequence into text pieces, holding back bytes of an unfinished character.
+
+    Decoding token by token would cut multi-byte UTF-8 characters (emoji, Hangul) in half; decoding
+    a short window that ends in U+FFFD means the character is not complete yet.
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
+        text = decode(self.ids[self.prefix_offset :], skip_special_tokens=True)
+        if len(text) <= len(prefix) or text.endswith("\ufffd"):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return text[len(prefix) :]
+
+
+class TextGenerator:
+    """An artifact folder (model.onnx, tokenizer.json, generation_config.json) ready to generate."""
+
+    def __init__(self, model_dir: Path, settings: SessionSettings | None = None):
+        model_dir = Path(model_dir)
+        self.decoder = Decoder(create_session(model_dir, settings))
+        self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        self.stop_ids = _eos_ids(model_dir / GENERATION_CONFIG_FILE)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    def generate_ids(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        return list(greedy_tokens(self.decoder, prompt_ids, max_new_tokens, self.stop_ids))
+
+    def stream(self, prompt: str, max_new_tokens: int) -> Iterator[str]:
+        detokenizer = IncrementalDetokenizer(self.tokenizer)
+        for token in greedy_tokens(self.decoder, self.encode(prompt), max_new_tokens, self.stop_ids):
+            piece = detokenizer.push(token)
+            if piece:
+                yield piece
+
+    def generate(self, prompt: str, max_new_tokens: int) -> str:
+        ids = self.generate_ids(self.encode(prompt), max_new_tokens)
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _eos_ids(path: Path) -> tuple[int, ...]:
+    if not path.is_file():
+        return ()
+    eos = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)

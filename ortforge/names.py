@@ -1,0 +1,46 @@
+"""The names of a KV-cache decoder's graph inputs, outputs and dimensions, declared once.
+
+They follow optimum's text-generation-with-past export and onnxruntime-genai, so an artifact built
+here runs in their runtimes too, and theirs in ours.
+"""
+
+INPUT_IDS = "input_ids"
+ATTENTION_MASK = "attention_mask"
+POSITION_IDS = "position_ids"
+LOGITS = "logits"
+
+BATCH = "batch_size"
+SEQUENCE = "sequence_length"
+PAST_SEQUENCE = "past_sequence_length"
+TOTAL_SEQUENCE = "total_sequence_length"
+
+MODEL_FILE = "model.onnx"
+RUNTIME_CONFIG_FILE = "runtime.json"
+MANIFEST_FILE = "manifest.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+GENERATION_CONFIG_FILE = "generation_config.json"
+MODEL_CONFIG_FILE = "config.json"
+
+
+def past_key(layer: int) -> str:
+    return f"past_key_values.{layer}.key"
+
+
+def past_value(layer: int) -> str:
+    return f"past_key_values.{layer}.value"
+
+
+def present_key(layer: int) -> str:
+    return f"present.{layer}.key"
+
+
+def present_value(layer: int) -> str:
+    return f"present.{layer}.value"
+
+
+def past_names(num_layers: int) -> list[str]:
+    return [name for i in range(num_layers) for name in (past_key(i), past_value(i))]
+
+
+def present_names(num_layers: int) -> list[str]:
+    return [name for i in range(num_layers) for name in (present_key(i), present_value(i))]

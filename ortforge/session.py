@@ -1,0 +1,75 @@
+"""ONNX Runtime session settings of an artifact, read from its runtime.json, and session creation.
+
+The bench stage writes the settings it measured best into runtime.json; an application that loads
+the artifact gets them by default and can still override any of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnxruntime as ort
+
+from ortforge.names import MODEL_FILE, RUNTIME_CONFIG_FILE
+
+GRAPH_LEVELS = {
+    "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+    "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+    "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+    "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+}
+
+
+@dataclass(frozen=True)
+class SessionSettings:
+    intra_op_threads: int = 0  # 0: ONNX Runtime picks one thread per physical core
+    inter_op_threads: int = 0
+    graph_level: str = "all"
+    enable_mem_pattern: bool = True
+    enable_cpu_mem_arena: bool = True
+
+    def __post_init__(self) -> None:
+        if self.graph_level not in GRAPH_LEVELS:
+            raise ValueError(f"graph_level {self.graph_level!r} is not one of {sorted(GRAPH_LEVELS)}")
+        if self.intra_op_threads < 0 or self.inter_op_threads < 0:
+            raise ValueError("thread counts must be >= 0 (0 lets ONNX Runtime choose)")
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "SessionSettings":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown session setting(s) {unknown}; allowed: {sorted(known)}")
+        return cls(**values)
+
+    @classmethod
+    def for_artifact(cls, model_dir: Path) -> "SessionSettings":
+        """The settings saved with an artifact, or the defaults when it has none."""
+        path = Path(model_dir) / RUNTIME_CONFIG_FILE
+        if not path.is_file():
+            return cls()
+        return cls.from_dict(json.loads(path.read_text(encoding="utf-8")).get("session", {}))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def session_options(self) -> ort.SessionOptions:
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = self.intra_op_threads
+        options.inter_op_num_threads = self.inter_op_threads
+        options.graph_optimization_level = GRAPH_LEVELS[self.graph_level]
+        options.enable_mem_pattern = self.enable_mem_pattern
+        options.enable_cpu_mem_arena = self.enable_cpu_mem_arena
+        options.log_severity_level = 3  # warnings about unused initializers are noise for users
+        return options
+
+
+def create_session(model_dir: Path, settings: SessionSettings | None = None) -> ort.InferenceSession:
+    model_dir = Path(model_dir)
+    settings = settings or SessionSettings.for_artifact(model_dir)
+    return ort.InferenceSession(
+        str(model_dir / MODEL_FILE), settings.session_options(), providers=["CPUExecutionProvider"]
+    )

@@ -1,0 +1,169 @@
+"""Time one validated variant on a fixed generation workload, beside PyTorch fp32 with its KV cache.
+
+Reads artifacts/<model>/variants/<variant>, its validate.json (an unvalidated variant is not
+benchmarked), artifacts/<model>/hf for the baseline, and params.yaml `bench`; writes
+reports/<model>/variants/<variant>/bench.json (a DVC metric): time to first token and decode
+ms/token p50/p95, decode and prefill tokens/s, peak RSS, size on disk, and ratios to the baseline.
+
+Each engine runs in its own fresh process (so peak RSS is its own), rounds interleave the engines
+(so drift on a shared machine hits both alike), and warm-up runs are never timed.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import resource
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from ortforge.names import MODEL_FILE
+from tasks import paths
+from tasks.files import atomic_write_json, folder_bytes, megabytes, read_json
+from tasks.params import BenchConfig, load_params
+from tasks.stage import StageError, model_parser, stage_main
+
+log = logging.getLogger(__name__)
+
+ORT, TORCH = "onnxruntime", "pytorch"
+
+
+def timed_generation(decoder, prompt: list[int], new_tokens: int) -> tuple[float, list[float]]:
+    """Seconds to the first token (prefill + argmax), and seconds of each later decode step."""
+    start = time.perf_counter()
+    logits, cache = decoder.forward(prompt, decoder.empty_cache())
+    token = int(np.argmax(logits[-1]))
+    first = time.perf_counter() - start
+    steps = []
+    for _ in range(new_tokens - 1):
+        start = time.perf_counter()
+        logits, cache = decoder.forward([token], cache)
+        token = int(np.argmax(logits[-1]))
+        steps.append(time.perf_counter() - start)
+    return first, steps
+
+
+def _load_decoder(engine: str, model_dir: Path, threads: int):
+    if engine == TORCH:
+        from tasks.torch_decoder import TorchDecoder
+
+        decoder = TorchDecoder(model_dir, threads)
+        return decoder, decoder.torch.get_num_threads()
+    from ortforge import Decoder, SessionSettings, create_session
+
+    settings = SessionSettings(intra_op_threads=threads)
+    return Decoder(create_session(model_dir, settings)), threads
+
+
+def measure_engine(engine: str, model_dir: str, prompt: list[int], cfg: dict) -> dict:
+    """Run in a fresh process: load, warm up, then time cfg['repeats'] generations."""
+    started = time.perf_counter()
+    decoder, threads = _load_decoder(engine, Path(model_dir), cfg["threads"])
+    load_seconds = time.perf_counter() - started
+    for _ in range(cfg["warmup"]):
+        timed_generation(decoder, prompt, cfg["new_tokens"])
+    runs = [timed_generation(decoder, prompt, cfg["new_tokens"]) for _ in range(cfg["repeats"])]
+    return {
+        "first_token_s": [first for first, _ in runs],
+        "step_s": [steps for _, steps in runs],
+        "load_seconds": load_seconds,
+        "threads": threads,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # Linux: KiB
+    }
+
+
+def _in_fresh_process(engine: str, model_dir: Path, prompt: list[int], cfg: BenchConfig) -> dict:
+    context = multiprocessing.get_context("spawn")  # fork would share the parent's pages and RSS
+    with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        return pool.submit(measure_engine, engine, str(model_dir), prompt, cfg.model_dump(mode="json")).result()
+
+
+def summarize(runs: list[dict], prompt_tokens: int, size_bytes: int) -> dict:
+    first = np.array([s for run in runs for s in run["first_token_s"]])
+    steps = np.array([s for run in runs for repeat in run["step_s"] for s in repeat])
+    per_repeat_rate = [len(r) / sum(r) for run in runs for r in run["step_s"]]
+    return {
+        "seconds_to_first_token_p50": float(np.percentile(first, 50)),
+        "seconds_to_first_token_p95": float(np.percentile(first, 95)),
+        "prefill_tokens_per_second": float(prompt_tokens / np.percentile(first, 50)),
+        "decode_ms_per_token_p50": float(np.percentile(steps, 50) * 1e3),
+        "decode_ms_per_token_p95": float(np.percentile(steps, 95) * 1e3),
+        "decode_tokens_per_second": float(np.median(per_repeat_rate)),
+        "peak_rss_mb": float(max(run["peak_rss_mb"] for run in runs)),
+        "size_mb": megabytes(size_bytes),
+        "load_seconds": float(np.median([run["load_seconds"] for run in runs])),
+        "threads": runs[0]["threads"],
+    }
+
+
+def ratios(variant: dict, baseline: dict) -> dict:
+    """How many times better than the baseline (>1 is better): speed up, memory and size down."""
+    return {
+        "decode_speedup": variant["decode_tokens_per_second"] / baseline["decode_tokens_per_second"],
+        "first_token_speedup": baseline["seconds_to_first_token_p50"] / variant["seconds_to_first_token_p50"],
+        "rss_reduction": baseline["peak_rss_mb"] / variant["peak_rss_mb"],
+        "size_reduction": baseline["size_mb"] / variant["size_mb"],
+    }
+
+
+def prompt_ids(variant_dir: Path, text: Path, count: int) -> list[int]:
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_file(str(variant_dir / "tokenizer.json")).encode(text.read_text(encoding="utf-8")).ids
+    if len(ids) < count:
+        raise StageError(f"bench text {text} has {len(ids)} tokens, fewer than bench.prompt_tokens {count}")
+    return ids[:count]
+
+
+def run(cfg: BenchConfig, variant_dir: Path, validate_report: Path, hf_dir: Path) -> dict:
+    if not validate_report.is_file() or not read_json(validate_report).get("passed"):
+        raise StageError(f"{variant_dir} has not passed validation ({validate_report}); it is not benchmarked")
+    prompt = prompt_ids(variant_dir, cfg.text, cfg.prompt_tokens)
+    engines = {ORT: variant_dir, **({TORCH: hf_dir} if cfg.baseline else {})}
+    runs: dict[str, list[dict]] = {engine: [] for engine in engines}
+    for round_index in range(cfg.rounds):
+        for engine, model_dir in engines.items():
+            log.info("round %d/%d: %s on %s", round_index + 1, cfg.rounds, engine, model_dir)
+            runs[engine].append(_in_fresh_process(engine, model_dir, prompt, cfg))
+    sizes = {ORT: folder_bytes(variant_dir, MODEL_FILE + "*"), TORCH: folder_bytes(hf_dir, "*.safetensors")}
+    result = summarize(runs[ORT], cfg.prompt_tokens, sizes[ORT])
+    result["workload"] = cfg.model_dump(mode="json")
+    if cfg.baseline:
+        result["baseline"] = summarize(runs[TORCH], cfg.prompt_tokens, sizes[TORCH])
+        result["vs_baseline"] = ratios(result, result["baseline"])
+    log.info(
+        "%s: %.1f tokens/s decode (p50 %.1f ms), first token %.0f ms, peak RSS %.0f MB",
+        variant_dir, result["decode_tokens_per_second"], result["decode_ms_per_token_p50"],
+        result["seconds_to_first_token_p50"] * 1e3, result["peak_rss_mb"],
+    )
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = model_parser(__doc__.splitlines()[0], variant=True)
+    parser.add_argument("--variant-dir", type=Path, help="default: artifacts/<model>/variants/<variant>")
+    parser.add_argument("--validation", type=Path, help="default: reports/<model>/variants/<variant>/validate.json")
+    parser.add_argument("--hf", type=Path, help="baseline HF folder (default: artifacts/<model>/hf)")
+    parser.add_argument("--report", type=Path, help="default: reports/<model>/variants/<variant>/bench.json")
+
+    def body(args):
+        params = load_params(args.params)
+        params.model(args.model)
+        params.variant(args.variant)
+        m, v = args.model, args.variant
+        result = run(
+            params.bench,
+            args.variant_dir or paths.variant_dir(m, v),
+            args.validation or paths.validate_json(m, v),
+            args.hf or paths.hf_dir(m),
+        )
+        atomic_write_json(args.report or paths.bench_json(m, v), result)
+
+    return stage_main(parser, body, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

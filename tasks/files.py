@@ -1,0 +1,88 @@
+"""Writing outputs so that nothing half-written is ever left where an output belongs: each output
+is built under a temporary sibling and renamed into place only when complete."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def _temporary_sibling(path: Path) -> Path:
+    # A sibling keeps the rename on one file system, so it is atomic.
+    return path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+@contextlib.contextmanager
+def atomic_output_dir(out_dir: Path) -> Iterator[Path]:
+    """Yield an empty temporary folder; on success it replaces out_dir, on failure it is removed."""
+    out_dir = Path(out_dir)
+    first_created = _first_missing_ancestor(out_dir.parent)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _temporary_sibling(out_dir)
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_empty_parents(out_dir.parent, first_created)
+        raise
+    if out_dir.exists():
+        old = _temporary_sibling(out_dir)
+        out_dir.rename(old)
+        tmp.rename(out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(out_dir)
+
+
+def _first_missing_ancestor(folder: Path) -> Path | None:
+    missing = None
+    while not folder.exists():
+        missing, folder = folder, folder.parent
+    return missing
+
+
+def _remove_empty_parents(folder: Path, stop: Path | None) -> None:
+    """Remove the folders this module created on the way to folder, if nothing else landed there."""
+    if stop is None:
+        return
+    for current in (folder, *folder.parents):
+        if not current.exists() or any(current.iterdir()):
+            return
+        current.rmdir()
+        if current == stop:
+            return
+
+
+def atomic_write_text(path: Path, text: str) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _temporary_sibling(path)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def atomic_write_json(path: Path, data: dict) -> Path:
+    return atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+def folder_bytes(folder: Path, pattern: str = "*") -> int:
+    return sum(p.stat().st_size for p in Path(folder).rglob(pattern) if p.is_file())
+
+
+def megabytes(num_bytes: int) -> float:
+    return round(num_bytes / 1e6, 2)

@@ -1,0 +1,40 @@
+"""Loading and saving ONNX graphs the same way in every stage: weights go to external data once the
+graph nears protobuf's 2 GB limit, and the result always lands as model.onnx in its folder."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+from ortforge.names import MODEL_FILE
+
+# protobuf cannot serialize 2 GiB; leave room for the graph itself.
+EXTERNAL_DATA_ABOVE_BYTES = 1_800_000_000
+
+
+def initializer_bytes(model) -> int:
+    return sum(len(t.raw_data) for t in model.graph.initializer) + sum(
+        4 * len(t.float_data) for t in model.graph.initializer
+    )
+
+
+def save(model, folder: Path) -> Path:
+    """Write model.onnx (plus model.onnx.data when large) into folder."""
+    # onnxruntime's saver also declares the com.microsoft opset that fused nodes need.
+    from onnxruntime.transformers.onnx_model import OnnxModel
+
+    path = Path(folder) / MODEL_FILE
+    external = initializer_bytes(model) > EXTERNAL_DATA_ABOVE_BYTES
+    OnnxModel.save(model, str(path), save_as_external_data=external, all_tensors_to_one_file=True)
+    return path
+
+
+def load(folder: Path, with_weights: bool = True):
+    import onnx
+
+    return onnx.load(str(Path(folder) / MODEL_FILE), load_external_data=with_weights)
+
+
+def op_counts(model) -> dict[str, int]:
+    """How many nodes of each op type the graph holds (sorted by op name, for stable JSON)."""
+    return dict(sorted(Counter(node.op_type for node in model.graph.node).items()))

@@ -1,0 +1,87 @@
+"""Fuse the exported graph with onnxruntime's transformer optimizer, and record what it fused.
+
+Reads artifacts/<model>/onnx; writes artifacts/<model>/optimized (model.onnx) and
+reports/<model>/optimize.json (op counts before and after, fused-operator counts).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ortforge.names import MODEL_CONFIG_FILE, MODEL_FILE
+from tasks import onnx_io, paths
+from tasks.files import atomic_output_dir, atomic_write_json, folder_bytes, megabytes
+from tasks.params import OptimizeConfig, load_params
+from tasks.stage import StageError, model_parser, stage_main
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class OptimizeResult:
+    out_dir: Path
+    ops_before: dict[str, int]
+    ops_after: dict[str, int]
+    fused: dict[str, int]
+    size_mb: float
+
+
+def run(cfg: OptimizeConfig, onnx_dir: Path, hf_dir: Path, out_dir: Path) -> OptimizeResult:
+    if not (onnx_dir / MODEL_FILE).is_file():
+        raise StageError(f"{onnx_dir} has no {MODEL_FILE}; run the export stage first (dvc repro export@<model>)")
+    config = json.loads((hf_dir / MODEL_CONFIG_FILE).read_text(encoding="utf-8"))
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    ops_before = onnx_io.op_counts(onnx_io.load(onnx_dir, with_weights=False))
+    started = time.perf_counter()
+    log.info("fusing %s as model_type %s (takes about a minute per 100M parameters)", onnx_dir, cfg.model_type)
+    optimized = optimize_model(
+        str(onnx_dir / MODEL_FILE),
+        model_type=cfg.model_type,
+        num_heads=config["num_attention_heads"],
+        hidden_size=config["hidden_size"],
+        opt_level=cfg.opt_level,
+    )
+    fused = {op: n for op, n in optimized.get_fused_operator_statistics().items() if n}
+    optimized.topological_sort()
+    with atomic_output_dir(out_dir) as tmp:
+        onnx_io.save(optimized.model, tmp)
+    ops_after = onnx_io.op_counts(optimized.model)
+    log.info("fused %s in %.0f s; wrote %s", fused, time.perf_counter() - started, out_dir)
+    return OptimizeResult(out_dir, ops_before, ops_after, fused, megabytes(folder_bytes(out_dir)))
+
+
+def summary(result: OptimizeResult) -> dict:
+    return {
+        "nodes_before": sum(result.ops_before.values()),
+        "nodes_after": sum(result.ops_after.values()),
+        "fused": result.fused,
+        "ops_before": result.ops_before,
+        "ops_after": result.ops_after,
+        "size_mb": result.size_mb,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = model_parser(__doc__.splitlines()[0])
+    parser.add_argument("--onnx", type=Path, help="exported folder (default: artifacts/<model>/onnx)")
+    parser.add_argument("--hf", type=Path, help="HF folder for the model's config (default: artifacts/<model>/hf)")
+    parser.add_argument("--out", type=Path, help="output folder (default: artifacts/<model>/optimized)")
+    parser.add_argument("--report", type=Path, help="JSON report (default: reports/<model>/optimize.json)")
+
+    def body(args):
+        params = load_params(args.params)
+        params.model(args.model)
+        m = args.model
+        result = run(params.optimize, args.onnx or paths.export_dir(m), args.hf or paths.hf_dir(m), args.out or paths.optimized_dir(m))
+        atomic_write_json(args.report or paths.optimize_json(m), summary(result))
+
+    return stage_main(parser, body, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

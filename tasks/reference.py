@@ -1,0 +1,88 @@
+"""Measure the original PyTorch model once per model, so each variant is validated against the same
+figures without loading torch again: perplexity on the fixed text, logits on seeded random tokens,
+and greedy tokens.
+
+Reads artifacts/<model>/hf and params.yaml `validate.eval`; writes artifacts/<model>/reference
+(reference.npz with the exact inputs and outputs, reference.json with the scalar figures).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tasks import paths
+from tasks.evaluation import eval_inputs, full_pass_logits, greedy, perplexity
+from tasks.files import atomic_output_dir, atomic_write_json, read_json
+from tasks.params import EvalConfig, load_params
+from tasks.stage import StageError, model_parser, stage_main
+
+log = logging.getLogger(__name__)
+
+ARRAYS_FILE = "reference.npz"
+FIGURES_FILE = "reference.json"
+
+
+@dataclass(frozen=True)
+class Reference:
+    text_ids: np.ndarray
+    random_ids: np.ndarray
+    random_logits: np.ndarray
+    greedy_prompt: np.ndarray
+    greedy_tokens: np.ndarray
+    perplexity: float
+
+    @classmethod
+    def load(cls, folder: Path) -> "Reference":
+        if not (folder / ARRAYS_FILE).is_file():
+            raise StageError(f"{folder} has no {ARRAYS_FILE}; run the reference stage first (dvc repro reference@<model>)")
+        with np.load(folder / ARRAYS_FILE) as arrays:
+            fields = {name: arrays[name] for name in arrays.files}
+        return cls(**fields, perplexity=read_json(folder / FIGURES_FILE)["perplexity"])
+
+
+def run(cfg: EvalConfig, hf_dir: Path, out_dir: Path) -> Reference:
+    from tasks.torch_decoder import TorchDecoder
+
+    if not (hf_dir / "tokenizer.json").is_file():
+        raise StageError(f"{hf_dir} has no tokenizer.json; run the download stage first (dvc repro download@<model>)")
+    decoder = TorchDecoder(hf_dir)
+    inputs = eval_inputs(cfg, hf_dir / "tokenizer.json", decoder.vocab_size)
+    log.info("scoring %d tokens of %s with PyTorch", len(inputs.text_ids) - 1, cfg.text)
+    reference = Reference(
+        text_ids=inputs.text_ids,
+        random_ids=inputs.random_ids,
+        random_logits=full_pass_logits(decoder, inputs.random_ids),
+        greedy_prompt=inputs.greedy_prompt,
+        greedy_tokens=greedy(decoder, inputs.greedy_prompt, cfg.greedy_steps),
+        perplexity=perplexity(decoder, inputs.text_ids, cfg.window),
+    )
+    with atomic_output_dir(out_dir) as tmp:
+        arrays = {k: v for k, v in reference.__dict__.items() if isinstance(v, np.ndarray)}
+        np.savez(tmp / ARRAYS_FILE, **arrays)
+        atomic_write_json(
+            tmp / FIGURES_FILE,
+            {"perplexity": reference.perplexity, "tokens_scored": len(inputs.text_ids) - 1, "text": cfg.text.as_posix()},
+        )
+    log.info("reference perplexity %.3f; wrote %s", reference.perplexity, out_dir)
+    return reference
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = model_parser(__doc__.splitlines()[0])
+    parser.add_argument("--hf", type=Path, help="HF folder (default: artifacts/<model>/hf)")
+    parser.add_argument("--out", type=Path, help="output folder (default: artifacts/<model>/reference)")
+
+    def body(args):
+        params = load_params(args.params)
+        params.model(args.model)
+        run(params.validation.eval, args.hf or paths.hf_dir(args.model), args.out or paths.reference_dir(args.model))
+
+    return stage_main(parser, body, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

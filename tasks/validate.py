@@ -1,0 +1,131 @@
+"""Check one variant against the original model's reference figures, and fail on any threshold.
+
+Reads artifacts/<model>/variants/<variant>, artifacts/<model>/reference and params.yaml
+`validate.eval` and `validate.thresholds.<variant>`; writes reports/<model>/variants/<variant>/
+validate.json (a DVC metric) whether or not the variant passes, then exits non-zero with one message
+naming every failed check, its value and its threshold.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tasks import paths
+from tasks.evaluation import cached_decode_gap, full_pass_logits, greedy, matching_prefix, perplexity
+from tasks.files import atomic_write_json
+from tasks.params import EvalConfig, Thresholds, load_params
+from tasks.reference import Reference
+from tasks.stage import StageError, model_parser, stage_main
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    value: float
+    threshold: float
+    upper_bound: bool  # True: value must be <= threshold; False: value must be >= threshold
+
+    @property
+    def passed(self) -> bool:
+        if math.isnan(self.value):  # NaN logits compare False both ways; never let them pass
+            return False
+        return self.value <= self.threshold if self.upper_bound else self.value >= self.threshold
+
+    def describe(self) -> str:
+        relation = ">" if self.upper_bound else "<"
+        return f"{self.name} {self.value:.4g} {relation} {self.threshold:.4g}"
+
+
+class ValidationFailed(StageError):
+    pass
+
+
+def measure(variant_dir: Path, reference: Reference, cfg: EvalConfig) -> dict:
+    from ortforge import Decoder, create_session
+
+    decoder = Decoder(create_session(variant_dir))
+    logits = full_pass_logits(decoder, reference.random_ids)
+    tokens = greedy(decoder, reference.greedy_prompt, len(reference.greedy_tokens))
+    ppl = perplexity(decoder, reference.text_ids, cfg.window)
+    return {
+        "max_logit_diff": float(np.abs(logits - reference.random_logits).max()),
+        "perplexity": ppl,
+        "reference_perplexity": reference.perplexity,
+        "ppl_ratio": ppl / reference.perplexity,
+        "greedy_tokens_matched": matching_prefix(tokens, reference.greedy_tokens),
+        "greedy_steps": len(reference.greedy_tokens),
+        "greedy_match": matching_prefix(tokens, reference.greedy_tokens) / len(reference.greedy_tokens),
+        "kv_max_diff": cached_decode_gap(decoder, reference.text_ids, cfg.kv_prefill, cfg.kv_steps),
+        "tokens_scored": len(reference.text_ids) - 1,
+    }
+
+
+def checks(figures: dict, limits: Thresholds) -> list[Check]:
+    return [
+        Check("max_logit_diff", figures["max_logit_diff"], limits.max_logit_diff, upper_bound=True),
+        Check("ppl_ratio", figures["ppl_ratio"], limits.ppl_ratio, upper_bound=True),
+        Check("greedy_match", figures["greedy_match"], limits.greedy_match, upper_bound=False),
+        Check("kv_max_diff", figures["kv_max_diff"], limits.kv_max_diff, upper_bound=True),
+    ]
+
+
+def run(
+    cfg: EvalConfig, limits: Thresholds, variant_dir: Path, reference_dir: Path, report: Path, variant: str
+) -> dict:
+    """Measure, write the report, and raise ValidationFailed if any check fails."""
+    if not (variant_dir / "model.onnx").is_file():
+        raise StageError(f"{variant_dir} has no model.onnx; run the quantize stage first (dvc repro quantize@<model>-{variant})")
+    reference = Reference.load(reference_dir)
+    figures = measure(variant_dir, reference, cfg)
+    results = checks(figures, limits)
+    failed = [check for check in results if not check.passed]
+    atomic_write_json(
+        report,
+        {
+            **figures,
+            "passed": not failed,
+            "checks": {c.name: {"value": c.value, "threshold": c.threshold, "passed": c.passed} for c in results},
+        },
+    )
+    summary = ", ".join(f"{c.name}={c.value:.4g}" for c in results)
+    if failed:
+        raise ValidationFailed(
+            f"variant {variant} failed validation: {'; '.join(c.describe() for c in failed)} "
+            f"(thresholds: params.yaml validate.thresholds.{variant}; report: {report})"
+        )
+    log.info("variant %s passed: %s, perplexity %.3f", variant, summary, figures["perplexity"])
+    return figures
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = model_parser(__doc__.splitlines()[0], variant=True)
+    parser.add_argument("--variant-dir", type=Path, help="default: artifacts/<model>/variants/<variant>")
+    parser.add_argument("--reference", type=Path, help="default: artifacts/<model>/reference")
+    parser.add_argument("--report", type=Path, help="default: reports/<model>/variants/<variant>/validate.json")
+
+    def body(args):
+        params = load_params(args.params)
+        params.model(args.model)
+        params.variant(args.variant)
+        m, v = args.model, args.variant
+        run(
+            params.validation.eval,
+            params.validation.thresholds[v],
+            args.variant_dir or paths.variant_dir(m, v),
+            args.reference or paths.reference_dir(m),
+            args.report or paths.validate_json(m, v),
+            v,
+        )
+
+    return stage_main(parser, body, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,86 @@
+"""params.yaml: the project's own file is complete and valid, and bad input names the bad key."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import yaml
+from pydantic import BaseModel
+
+from tasks.params import Params, load_params
+from tasks.stage import StageError
+from tests.conftest import REPO, TINY_PARAMS, write_params
+
+
+def unset_keys(model: BaseModel, prefix: str = "") -> list[str]:
+    """Keys left to their defaults anywhere in a validated params tree."""
+    missing = [prefix + name for name in type(model).model_fields if name not in model.model_fields_set]
+    for name in model.model_fields_set:
+        value = getattr(model, name)
+        children = value.items() if isinstance(value, dict) else [(None, value)]
+        for key, child in children:
+            if isinstance(child, BaseModel):
+                where = f"{prefix}{name}." + (f"{key}." if key is not None else "")
+                missing += unset_keys(child, where)
+    return missing
+
+
+def test_load_params_accepts_the_repository_file():
+    params = load_params(REPO / "params.yaml")
+    assert {"fp32", "int8", "int4"} <= set(params.quantize)
+    assert set(params.quantize) == set(params.validation.thresholds)
+
+
+def test_repository_params_set_every_key_explicitly():
+    # DVC tracks params.yaml values, not code defaults: a key left to its default could change
+    # without any stage rerunning. Method-specific quantize keys are exempt (they are rejected
+    # where they do not apply).
+    params = load_params(REPO / "params.yaml")
+    missing = [key for key in unset_keys(params) if not key.startswith("quantize.")]
+    assert missing == []
+
+
+BAD_PARAMS = [
+    (lambda p: p["quantize"]["int4"].update(blok_size=32), "quantize.int4: unknown key `blok_size`; did you mean `block_size`?"),
+    (lambda p: p.update(quantise={}), "unknown key `quantise`; did you mean `quantize`?"),
+    (lambda p: p["quantize"].update(int2={"method": "int2"}), "quantize.int2.method: Input should be 'fp32'"),
+    (lambda p: p["quantize"]["int4"].update(block_size=48), "block_size 48 is not a power of two"),
+    (lambda p: p["quantize"]["int8"].update(block_size=32), "block_size does not apply to method int8_dynamic"),
+    (lambda p: p["bench"].update(repeats=0), "bench.repeats: Input should be greater than or equal to 1"),
+    (lambda p: p["bench"].update(repeats="many"), "bench.repeats: Input should be a valid integer"),
+    (lambda p: p["validate"]["thresholds"].pop("int4"), "validate.thresholds has no entry for variant(s) ['int4']"),
+    (lambda p: p["models"]["tiny"]["source"].update(kind="ftp"), "does not match any of the expected tags"),
+    (lambda p: p["models"]["tiny"]["source"].update(pth="x"), "models.tiny.source: unknown key `pth`; did you mean `path`?"),
+    (
+        lambda p: p["models"].update(hubby={"source": {"kind": "hub", "repo_id": "org/name", "revision": "main"}}),
+        "models.hubby.source.revision: String should match pattern",
+    ),
+    (lambda p: p["models"].update({"Bad Name": p["models"]["tiny"]}), "models.Bad Name.[key]: String should match pattern"),
+]
+
+
+@pytest.mark.parametrize("mutate, message", BAD_PARAMS)
+def test_load_params_names_the_bad_key(tmp_path, mutate, message):
+    params = copy.deepcopy(TINY_PARAMS)
+    mutate(params)
+    with pytest.raises(StageError) as error:
+        load_params(write_params(tmp_path, params))
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_load_params_reports_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(StageError, match="not found; run from the repository root"):
+        load_params(tmp_path / "nope.yaml")
+    (tmp_path / "params.yaml").write_text("models: [unclosed\n", encoding="utf-8")
+    with pytest.raises(StageError, match="is not valid YAML"):
+        load_params(tmp_path / "params.yaml")
+
+
+def test_params_lookup_names_known_choices():
+    params = Params.model_validate(yaml.safe_load((REPO / "params.yaml").read_text()))
+    with pytest.raises(StageError, match="unknown variant `int3`; params.yaml `quantize` has: fp32, int8, int4"):
+        params.variant("int3")
+    with pytest.raises(StageError, match="unknown model `gpt5`"):
+        params.model("gpt5")

@@ -1,0 +1,89 @@
+"""The ortforge runtime on the tiny model's fp32 variant: KV-cache decode equals a full recompute,
+streaming equals non-streaming, and multi-byte characters are never split."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from ortforge import Decoder, IncrementalDetokenizer, SessionSettings, TextGenerator, create_session
+from tasks.evaluation import cached_decode_gap, full_pass_logits
+
+
+@pytest.fixture(scope="module")
+def generator(built):
+    return TextGenerator(built["fp32"])
+
+
+def test_decoder_cached_steps_equal_full_recompute(generator):
+    ids = np.array(generator.encode("the GNU General Public License is a free license"))
+    assert len(ids) >= 10
+    assert cached_decode_gap(generator.decoder, ids, prefill=4, steps=6) < 1e-4
+
+
+def test_decoder_logits_change_with_context(generator):
+    # Guards the check above against a decoder that ignores its cache.
+    a = full_pass_logits(generator.decoder, np.array([5, 6, 7, 8]))[-1]
+    b = full_pass_logits(generator.decoder, np.array([9, 10, 11, 8]))[-1]
+    assert np.abs(a - b).max() > 1e-3
+
+
+def test_greedy_generation_matches_argmax_of_full_passes(generator):
+    prompt = generator.encode("Everyone is permitted to copy")
+    tokens = generator.generate_ids(prompt, 5)
+    sequence = list(prompt)
+    for token in tokens:
+        logits = full_pass_logits(generator.decoder, np.array(sequence))
+        assert token == int(np.argmax(logits[-1]))
+        sequence.append(token)
+
+
+def test_stream_equals_generate(generator):
+    prompt = "To protect your rights, we need"
+    assert "".join(generator.stream(prompt, 12)) == generator.generate(prompt, 12)
+
+
+def test_incremental_detokenizer_never_splits_characters(generator):
+    text = "Korean 안녕하세요, Japanese 日本語, emoji 🎉👍🏽 and café"
+    ids = generator.encode(text)
+    assert len(ids) > len(text.split())  # byte-level BPE splits these characters across tokens
+    detokenizer = IncrementalDetokenizer(generator.tokenizer)
+    pieces = [detokenizer.push(token) for token in ids]
+    assert all("\ufffd" not in piece for piece in pieces)
+    assert "".join(pieces) == text
+
+
+def test_decoder_rejects_graph_without_kv_cache(built, tmp_path):
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["y"])],
+        "plain",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+    )
+    onnx.save(helper.make_model(graph), tmp_path / "model.onnx")
+    with pytest.raises(ValueError, match="not a KV-cache decoder"):
+        Decoder(create_session(tmp_path))
+
+
+def test_session_settings_reject_unknown_keys():
+    with pytest.raises(ValueError, match="intra_op_thread"):
+        SessionSettings.from_dict({"intra_op_thread": 2})
+
+
+def test_runtime_imports_without_build_tools(built):
+    """An application ships the runtime with onnxruntime, numpy and tokenizers only."""
+    blocked = ("torch", "transformers", "optimum", "prefect", "dvc", "tasks")
+    code = (
+        "import sys\n"
+        f"for name in {blocked!r}: sys.modules[name] = None\n"
+        "from ortforge import TextGenerator\n"
+        f"print(TextGenerator({str(built['fp32'])!r}).generate('the', 3))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

@@ -1,0 +1,147 @@
+"""Tiny random models for tests, built from real architecture configs in seconds and offline:
+a byte-level BPE tokenizer trained on the evaluation text, a LLaMA-style model, and the same model
+written as a GGUF file the way llama.cpp's converter lays it out."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2, as in SmolLM2
+VOCAB_SIZE = 384
+
+
+def train_tokenizer(text_path: Path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train([str(text_path)], trainer)
+    return tokenizer
+
+
+def llama_config(**overrides):
+    from transformers import LlamaConfig
+
+    values = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+    return LlamaConfig(**(values | overrides))
+
+
+def build_hf_model(folder: Path, text_path: Path, seed: int = 0, **config_overrides) -> Path:
+    """Save a tiny random LLaMA-style model with its tokenizer as a plain HF folder."""
+    import torch
+    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(llama_config(**config_overrides)).eval()
+    with torch.no_grad():  # larger-than-default weights give logits with real spread
+        for parameter in model.parameters():
+            if parameter.dim() == 2:
+                parameter.normal_(0.0, 0.08)
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=train_tokenizer(text_path),
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        unk_token="<|endoftext|>",
+        pad_token="<|im_end|>",
+    )
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _llama_cpp_permute(weights: np.ndarray, heads: int) -> np.ndarray:
+    # llama.cpp stores q/k rows interleaved for its rotary layout; transformers undoes it on load.
+    return weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
+
+
+def write_gguf(hf_dir: Path, path: Path, add_bos: bool = False) -> Path:
+    """Write the HF model in hf_dir as a float32 GGUF file with a gpt2-style tokenizer."""
+    import json
+
+    import gguf
+    from safetensors.numpy import load_file
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    tensors = load_file(hf_dir / "model.safetensors")
+    tokenizer = json.loads((hf_dir / "tokenizer.json").read_text())
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tiny-llama")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(config["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_dimension_count(config["hidden_size"] // heads)
+    writer.add_vocab_size(config["vocab_size"])
+
+    vocab = sorted(tokenizer["model"]["vocab"].items(), key=lambda item: item[1])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt2")
+    writer.add_token_list([token for token, _ in vocab])
+    special = {i for i, _ in enumerate(SPECIAL_TOKENS)}
+    writer.add_token_types([gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL for i in range(len(vocab))])
+    writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tokenizer["model"]["merges"]])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_pad_token_id(2)
+    writer.add_add_bos_token(add_bos)
+
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+    }
+    for i in range(config["num_hidden_layers"]):
+        prefix, block = f"model.layers.{i}.", f"blk.{i}."
+        names |= {
+            prefix + "input_layernorm.weight": block + "attn_norm.weight",
+            prefix + "self_attn.q_proj.weight": block + "attn_q.weight",
+            prefix + "self_attn.k_proj.weight": block + "attn_k.weight",
+            prefix + "self_attn.v_proj.weight": block + "attn_v.weight",
+            prefix + "self_attn.o_proj.weight": block + "attn_output.weight",
+            prefix + "post_attention_layernorm.weight": block + "ffn_norm.weight",
+            prefix + "mlp.gate_proj.weight": block + "ffn_gate.weight",
+            prefix + "mlp.up_proj.weight": block + "ffn_up.weight",
+            prefix + "mlp.down_proj.weight": block + "ffn_down.weight",
+        }
+    for hf_name, gguf_name in names.items():
+        weights = tensors[hf_name].astype(np.float32)
+        if hf_name.endswith("q_proj.weight"):
+            weights = _llama_cpp_permute(weights, heads)
+        elif hf_name.endswith("k_proj.weight"):
+            weights = _llama_cpp_permute(weights, kv_heads)
+        writer.add_tensor(gguf_name, weights)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
