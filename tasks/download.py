@@ -25,7 +25,6 @@ from tasks.weights import check_safetensors
 
 log = logging.getLogger(__name__)
 
-SOURCE_FILE = "source.json"
 METADATA_PATTERNS = (
     "config.json",
     "generation_config.json",
@@ -187,7 +186,7 @@ def _pickle_to_safetensors(folder: Path, spec: ModelSpec, pickles: list[Path]) -
 def _finish(folder: Path, spec: ModelSpec, record: dict) -> None:
     record = record | {"allow_pickle": spec.allow_pickle, "trust_remote_code": spec.trust_remote_code}
     record["files"] = {p.name: sha256_file(p) for p in sorted(folder.iterdir()) if p.is_file()}
-    atomic_write_json(folder / SOURCE_FILE, record)
+    atomic_write_json(folder / paths.SOURCE_FILE, record)
 
 
 def main(argv: list[str] | None = None) -> int:

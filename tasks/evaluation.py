@@ -10,8 +10,12 @@ from pathlib import Path
 import numpy as np
 
 from ortforge.generate import greedy_tokens
+from tasks.files import atomic_write_json, read_json
 from tasks.params import EvalConfig
 from tasks.stage import StageError
+
+ARRAYS_FILE = "reference.npz"
+FIGURES_FILE = "reference.json"
 
 
 @dataclass(frozen=True)
@@ -19,6 +23,32 @@ class EvalInputs:
     text_ids: np.ndarray  # the fixed text, max_tokens + 1 tokens (the last is only a target)
     random_ids: np.ndarray  # seeded random tokens for the logit comparison
     greedy_prompt: np.ndarray
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The original model's outputs on the evaluation inputs, plus those exact inputs."""
+
+    text_ids: np.ndarray
+    random_ids: np.ndarray
+    random_logits: np.ndarray
+    greedy_prompt: np.ndarray
+    greedy_tokens: np.ndarray
+    perplexity: float
+
+    def save(self, folder: Path, extra: dict) -> None:
+        arrays = {k: v for k, v in self.__dict__.items() if isinstance(v, np.ndarray)}
+        np.savez(folder / ARRAYS_FILE, **arrays)
+        figures = {"perplexity": self.perplexity, "tokens_scored": len(self.text_ids) - 1, **extra}
+        atomic_write_json(folder / FIGURES_FILE, figures)
+
+    @classmethod
+    def load(cls, folder: Path) -> "Reference":
+        if not (folder / ARRAYS_FILE).is_file():
+            raise StageError(f"{folder} has no {ARRAYS_FILE}; run the reference stage first (dvc repro reference@<model>)")
+        with np.load(folder / ARRAYS_FILE) as arrays:
+            fields = {name: arrays[name] for name in arrays.files}
+        return cls(**fields, perplexity=read_json(folder / FIGURES_FILE)["perplexity"])
 
 
 def eval_inputs(cfg: EvalConfig, tokenizer_json: Path, vocab_size: int) -> EvalInputs:

@@ -9,6 +9,7 @@ PARAMS = Path("params.yaml")
 ARTIFACTS = Path("artifacts")
 REPORTS = Path("reports")
 EVAL_TEXT = Path("data/eval/GPL-3.txt")
+SOURCE_FILE = "source.json"  # provenance record inside an HF folder written by download
 
 
 def hf_dir(model: str) -> Path:

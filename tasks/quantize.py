@@ -15,7 +15,6 @@ from pathlib import Path
 from ortforge import names
 from ortforge.manifest import write_manifest
 from tasks import onnx_io, paths
-from tasks.download import SOURCE_FILE
 from tasks.files import atomic_output_dir, folder_bytes, megabytes, read_json
 from tasks.params import QuantizeConfig, load_params
 from tasks.stage import StageError, model_parser, stage_main
@@ -92,7 +91,7 @@ def run(cfg: QuantizeConfig, model_dir: Path, hf_dir: Path, out_dir: Path, recor
         for name in COPIED_FROM_HF:
             if (hf_dir / name).is_file():
                 shutil.copyfile(hf_dir / name, tmp / name)
-        source = read_json(hf_dir / SOURCE_FILE)
+        source = read_json(hf_dir / paths.SOURCE_FILE)
         source.pop("files", None)
         write_manifest(tmp, {**record, "source": source, "params": cfg.model_dump(), "tool_versions": tool_versions()})
     size = folder_bytes(out_dir, names.MODEL_FILE + "*")

@@ -9,39 +9,15 @@ Reads artifacts/<model>/hf and params.yaml `validate.eval`; writes artifacts/<mo
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from tasks import paths
-from tasks.evaluation import eval_inputs, full_pass_logits, greedy, perplexity
-from tasks.files import atomic_output_dir, atomic_write_json, read_json
+from tasks.evaluation import Reference, eval_inputs, full_pass_logits, greedy, perplexity
+from tasks.files import atomic_output_dir
 from tasks.params import EvalConfig, load_params
 from tasks.stage import StageError, model_parser, stage_main
 
 log = logging.getLogger(__name__)
-
-ARRAYS_FILE = "reference.npz"
-FIGURES_FILE = "reference.json"
-
-
-@dataclass(frozen=True)
-class Reference:
-    text_ids: np.ndarray
-    random_ids: np.ndarray
-    random_logits: np.ndarray
-    greedy_prompt: np.ndarray
-    greedy_tokens: np.ndarray
-    perplexity: float
-
-    @classmethod
-    def load(cls, folder: Path) -> "Reference":
-        if not (folder / ARRAYS_FILE).is_file():
-            raise StageError(f"{folder} has no {ARRAYS_FILE}; run the reference stage first (dvc repro reference@<model>)")
-        with np.load(folder / ARRAYS_FILE) as arrays:
-            fields = {name: arrays[name] for name in arrays.files}
-        return cls(**fields, perplexity=read_json(folder / FIGURES_FILE)["perplexity"])
 
 
 def run(cfg: EvalConfig, hf_dir: Path, out_dir: Path) -> Reference:
@@ -61,12 +37,7 @@ def run(cfg: EvalConfig, hf_dir: Path, out_dir: Path) -> Reference:
         perplexity=perplexity(decoder, inputs.text_ids, cfg.window),
     )
     with atomic_output_dir(out_dir) as tmp:
-        arrays = {k: v for k, v in reference.__dict__.items() if isinstance(v, np.ndarray)}
-        np.savez(tmp / ARRAYS_FILE, **arrays)
-        atomic_write_json(
-            tmp / FIGURES_FILE,
-            {"perplexity": reference.perplexity, "tokens_scored": len(inputs.text_ids) - 1, "text": cfg.text.as_posix()},
-        )
+        reference.save(tmp, {"text": cfg.text.as_posix()})
     log.info("reference perplexity %.3f; wrote %s", reference.perplexity, out_dir)
     return reference
 

@@ -16,10 +16,9 @@ from pathlib import Path
 import numpy as np
 
 from tasks import paths
-from tasks.evaluation import cached_decode_gap, full_pass_logits, greedy, matching_prefix, perplexity
+from tasks.evaluation import Reference, cached_decode_gap, full_pass_logits, greedy, matching_prefix, perplexity
 from tasks.files import atomic_write_json
 from tasks.params import EvalConfig, Thresholds, load_params
-from tasks.reference import Reference
 from tasks.stage import StageError, model_parser, stage_main
 
 log = logging.getLogger(__name__)

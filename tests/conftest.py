@@ -23,6 +23,8 @@ PROJECT_FILES = ("tasks", "ortforge", "flows", "data", "dvc.yaml", ".dvcignore",
 os.environ.setdefault("DVC_NO_ANALYTICS", "1")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# dvc.yaml runs `python -m ...`: make that the interpreter running the tests, venv activated or not.
+os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
 
 TINY_PARAMS = {
     "models": {"tiny": {"source": {"kind": "local", "path": "<set by fixture>"}, "allow_pickle": False, "trust_remote_code": False}},

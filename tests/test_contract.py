@@ -1,0 +1,120 @@
+"""dvc.yaml, tasks/ and flows/ agree: the same stages, the same paths as tasks/paths.py, and every
+helper a stage's code imports is a DVC dependency of that stage (so editing it reruns the stage)."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+
+from tasks import paths
+from tests.conftest import REPO
+
+STAGES = ("download", "export", "optimize", "reference", "quantize", "validate", "bench", "report")
+# Plumbing that moves values and paths around without shaping any artifact's content.
+INFRASTRUCTURE = {"tasks/__init__.py", "tasks/params.py", "tasks/stage.py", "tasks/paths.py", "tasks/files.py"}
+
+
+def expected_paths(stage: str, model: str, variant: str | None) -> tuple[set[Path], set[Path]]:
+    """(inputs, outputs) of a stage according to tasks/paths.py."""
+    hf, onnx, opt, ref = paths.hf_dir(model), paths.export_dir(model), paths.optimized_dir(model), paths.reference_dir(model)
+    if variant:
+        var, val = paths.variant_dir(model, variant), paths.validate_json(model, variant)
+    table = {
+        "download": (set(), {hf}),
+        "export": ({hf}, {onnx}),
+        "optimize": ({onnx, hf}, {opt, paths.optimize_json(model)}),
+        "reference": ({hf}, {ref}),
+        "quantize": ({opt, hf}, {var} if variant else set()),
+        "validate": ({var, ref} if variant else set(), {val} if variant else set()),
+        "bench": ({var, val, hf} if variant else set(), {paths.bench_json(model, variant)} if variant else set()),
+        "report": ({paths.variant_reports(model)}, {paths.report_md(model), paths.report_png(model)}),
+    }
+    return table[stage]
+
+
+@pytest.fixture(scope="module")
+def dvc_stages():
+    from dvc.repo import Repo
+
+    with Repo(str(REPO)) as repo:
+        return list(repo.index.stages)
+
+
+def split_address(stage) -> tuple[str, str, str | None]:
+    name, _, item = stage.addressing.partition("@")
+    for variant in ("fp32", "fp16", "int8", "int4"):
+        if item.endswith("-" + variant) and name in ("quantize", "validate", "bench"):
+            return name, item[: -len(variant) - 1], variant
+    return name, item, None
+
+
+def test_dvc_runs_each_stage_module(dvc_stages):
+    assert {split_address(s)[0] for s in dvc_stages} == set(STAGES)
+    for stage in dvc_stages:
+        name = split_address(stage)[0]
+        assert stage.cmd.startswith(f"python -m tasks.{name} "), stage.addressing
+        module = importlib.import_module(f"tasks.{name}")
+        assert callable(module.run) and callable(module.main)
+
+
+def test_dvc_paths_match_paths_module(dvc_stages):
+    for stage in dvc_stages:
+        name, model, variant = split_address(stage)
+        inputs, outputs = expected_paths(name, model, variant)
+        declared_outs = {Path(str(out.def_path)) for out in stage.outs}
+        declared_deps = {Path(str(dep.def_path)) for dep in stage.deps}
+        assert declared_outs == outputs, stage.addressing
+        assert inputs <= declared_deps, stage.addressing
+        for path in inputs | outputs:  # every path reaches the command explicitly
+            assert f" {path.as_posix()}" in stage.cmd, (stage.addressing, path)
+
+
+def module_file(name: str) -> Path | None:
+    for candidate in (REPO / (name.replace(".", "/") + ".py"), REPO / name.replace(".", "/") / "__init__.py"):
+        if candidate.is_file() and name.split(".")[0] in ("tasks", "ortforge"):
+            return candidate
+    return None
+
+
+def local_imports(path: Path) -> set[str]:
+    """Repository files that the module at path imports (at top level or inside functions)."""
+    modules = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            modules += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            # `from pkg import submodule` needs only the submodule; `from pkg import name`, the package.
+            for alias in node.names:
+                submodule = f"{node.module}.{alias.name}"
+                modules.append(submodule if module_file(submodule) else node.module)
+    files = (module_file(name) for name in modules)
+    return {f.relative_to(REPO).as_posix() for f in files if f is not None}
+
+
+def import_closure(start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        current = todo.pop()
+        if current not in seen:
+            seen.add(current)
+            todo += local_imports(REPO / current) - seen
+    return seen
+
+
+def test_dvc_deps_cover_every_imported_helper(dvc_stages):
+    for stage in dvc_stages:
+        name = split_address(stage)[0]
+        declared = [str(dep.def_path) for dep in stage.deps]
+        needed = import_closure(f"tasks/{name}.py") - INFRASTRUCTURE
+        uncovered = [f for f in needed if not any(f == d or f.startswith(d.rstrip("/") + "/") for d in declared)]
+        assert not uncovered, f"{stage.addressing} imports {sorted(uncovered)} but dvc.yaml does not list them as deps"
+
+
+def test_flow_targets_name_real_stages(dvc_stages):
+    source = (REPO / "flows" / "build.py").read_text(encoding="utf-8")
+    for target in ("download", "report"):
+        assert f'f"{target}@{{' in source
+        assert target in {split_address(s)[0] for s in dvc_stages}

@@ -1,0 +1,104 @@
+"""The whole DAG on the tiny model in a throwaway repository, driven by DVC and by Prefect."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.e2e
+
+VARIANT_STAGES = ("quantize", "validate", "bench")
+ALL_STAGES = {
+    *(f"{stage}@tiny" for stage in ("download", "export", "optimize", "reference", "report")),
+    *(f"{stage}@tiny-{variant}" for stage in VARIANT_STAGES for variant in ("fp32", "int8", "int4")),
+}
+
+
+def dvc_repro(project: Path) -> list[str]:
+    result = subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=project, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return re.findall(r"Running stage '([^']+)'", result.stdout)
+
+
+def set_param(project: Path, keys: list[str], value) -> None:
+    path = project / "params.yaml"
+    params = yaml.safe_load(path.read_text())
+    node = params
+    for key in keys[:-1]:
+        node = node[key]
+    node[keys[-1]] = value
+    path.write_text(yaml.safe_dump(params, sort_keys=False))
+
+
+def test_dvc_repro_builds_all_then_nothing_then_only_what_changed(project):
+    assert set(dvc_repro(project)) == ALL_STAGES
+    assert (project / "dvc.lock").is_file()
+    table = (project / "reports" / "tiny" / "report.md").read_text()
+    assert all(f"| {variant} | yes |" in table for variant in ("fp32", "int8", "int4"))
+
+    assert dvc_repro(project) == []
+
+    set_param(project, ["quantize", "int4", "block_size"], 16)
+    assert set(dvc_repro(project)) == {"quantize@tiny-int4", "validate@tiny-int4", "bench@tiny-int4", "report@tiny"}
+
+
+def test_dvc_repro_stops_on_failed_gate_and_names_it(project):
+    set_param(project, ["validate", "thresholds", "int4", "max_logit_diff"], 1e-6)
+    result = subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=project, capture_output=True, text=True)
+    assert result.returncode != 0
+    assert "error: variant int4 failed validation: max_logit_diff" in result.stderr + result.stdout
+    assert not (project / "reports" / "tiny" / "variants" / "int4" / "bench.json").exists()
+    assert not (project / "reports" / "tiny" / "report.md").exists()
+
+
+@pytest.fixture(scope="session")
+def prefect_server():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=180):
+        yield
+
+
+def test_flow_builds_publishes_table_and_then_runs_nothing(project, prefect_server):
+    from prefect.artifacts import Artifact
+
+    from flows import build as flows_build
+
+    executed = flows_build.build(root=project)
+    assert set(executed["download@tiny"]) == {"download@tiny"}
+    assert set(executed["report@tiny"]) == ALL_STAGES - {"download@tiny"}
+    artifact = Artifact.get("report-tiny")
+    assert artifact is not None and "| int4 | yes |" in artifact.data
+
+    again = flows_build.build(root=project)
+    assert again == {"download@tiny": [], "report@tiny": []}
+
+
+def test_flow_download_retries_transient_errors(prefect_server, monkeypatch):
+    from prefect import flow
+
+    from flows import build as flows_build
+
+    calls = []
+
+    def flaky(root, targets=None):
+        calls.append(targets)
+        if len(calls) == 1:
+            raise ConnectionError("hub hiccup")
+        return targets
+
+    monkeypatch.setattr(flows_build, "reproduce", flaky)
+    assert flows_build.download.retries >= 1
+    quick = flows_build.download.with_options(retry_delay_seconds=0)
+
+    @flow
+    def one_download():
+        return quick(Path("."), "tiny")
+
+    assert one_download() == ["download@tiny"]
+    assert calls == [["download@tiny"], ["download@tiny"]]

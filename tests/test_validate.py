@@ -1,0 +1,79 @@
+"""reference + validate: variants measured against the PyTorch reference; a bad variant fails with
+one message naming every failed check, and the report is still written."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from tasks import validate
+from tasks.params import Thresholds
+from tasks.evaluation import Reference
+from tasks.stage import StageError
+
+LOOSE = Thresholds(max_logit_diff=1e9, ppl_ratio=1e9, greedy_match=0.0, kv_max_diff=1e9)
+
+
+def test_reference_holds_inputs_and_figures(built, params):
+    ref = Reference.load(built["reference"])
+    cfg = params.validation.eval
+    assert len(ref.text_ids) == cfg.max_tokens + 1
+    assert ref.random_logits.shape == (cfg.logits_tokens, 384)
+    assert len(ref.greedy_tokens) == cfg.greedy_steps
+    assert 1.0 < ref.perplexity < 1e4
+
+
+@pytest.mark.parametrize("variant", ["fp32", "int8", "int4"])
+def test_run_passes_variants_within_thresholds(built, params, tmp_path, variant):
+    report = tmp_path / "validate.json"
+    figures = validate.run(
+        params.validation.eval, params.validation.thresholds[variant], built[variant], built["reference"], report, variant
+    )
+    written = json.loads(report.read_text())
+    assert written["passed"] is True and set(written["checks"]) == {"max_logit_diff", "ppl_ratio", "greedy_match", "kv_max_diff"}
+    if variant == "fp32":
+        assert figures["max_logit_diff"] < 1e-3 and figures["greedy_match"] == 1.0
+    else:  # quantization must change the numbers, or the variant is not what it claims
+        assert figures["max_logit_diff"] > 1e-3
+
+
+def corrupt(model_dir, dest):
+    """Shuffle the largest weight tensor: same shapes and value range, broken model."""
+    import onnx
+    from onnx import numpy_helper
+
+    shutil.copytree(model_dir, dest)
+    graph = onnx.load(str(dest / "model.onnx"))
+    tensor = max(graph.graph.initializer, key=lambda t: len(t.raw_data))
+    array = numpy_helper.to_array(tensor)
+    rng = np.random.default_rng(0)
+    tensor.CopyFrom(numpy_helper.from_array(rng.permutation(array.reshape(-1)).reshape(array.shape), tensor.name))
+    onnx.save(graph, str(dest / "model.onnx"))
+    return dest
+
+
+def test_run_gate_stops_a_corrupted_variant(built, params, tmp_path):
+    broken = corrupt(built["int4"], tmp_path / "broken")
+    report = tmp_path / "validate.json"
+    with pytest.raises(validate.ValidationFailed) as error:
+        validate.run(params.validation.eval, params.validation.thresholds["int4"], broken, built["reference"], report, "int4")
+    message = str(error.value)
+    assert message.startswith("variant int4 failed validation: ")
+    assert "validate.thresholds.int4" in message
+    written = json.loads(report.read_text())
+    assert written["passed"] is False
+    failed = {name for name, check in written["checks"].items() if not check["passed"]}
+    assert failed and all(name in message for name in failed)
+
+
+def test_check_treats_nan_as_failure():
+    assert not validate.Check("max_logit_diff", float("nan"), 1.0, upper_bound=True).passed
+    assert not validate.Check("greedy_match", float("nan"), 0.0, upper_bound=False).passed
+
+
+def test_run_requires_quantized_variant(built, params, tmp_path):
+    with pytest.raises(StageError, match="has no model.onnx; run the quantize stage first"):
+        validate.run(params.validation.eval, LOOSE, tmp_path, built["reference"], tmp_path / "v.json", "int4")
