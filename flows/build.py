@@ -21,7 +21,6 @@ from prefect.cache_policies import NO_CACHE
 from tasks import paths
 from tasks.params import load_params
 
-
 STAGE_STARTED = re.compile(r"Running stage '([^']+)'")
 
 
@@ -38,7 +37,13 @@ def reproduce(root: Path, targets: list[str] | None = None) -> list[str]:
     command = [sys.executable, "-m", "dvc", "repro", *(targets or [])]
     executed, tail = [], []
     with subprocess.Popen(
-        command, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, encoding="utf-8", errors="replace"
+        command,
+        cwd=root,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        encoding="utf-8",
+        errors="replace",
     ) as process:
         for line in process.stdout:
             print(line.rstrip())

@@ -50,7 +50,7 @@ class Decoder:
         """Logits (sequence, vocab) for the new tokens, and the cache extended by them."""
         ids = np.asarray(token_ids, dtype=np.int64).reshape(1, -1)
         start, count = cache.length, ids.shape[1]
-        feed = {names.INPUT_IDS: ids, **dict(zip(self._past_names, cache.tensors))}
+        feed = {names.INPUT_IDS: ids, **dict(zip(self._past_names, cache.tensors, strict=True))}
         if self.uses_attention_mask:
             feed[names.ATTENTION_MASK] = np.ones((1, start + count), dtype=np.int64)
         if self.uses_position_ids:

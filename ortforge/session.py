@@ -38,7 +38,7 @@ class SessionSettings:
             raise ValueError("thread counts must be >= 0 (0 lets ONNX Runtime choose)")
 
     @classmethod
-    def from_dict(cls, values: dict) -> "SessionSettings":
+    def from_dict(cls, values: dict) -> SessionSettings:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -46,7 +46,7 @@ class SessionSettings:
         return cls(**values)
 
     @classmethod
-    def for_artifact(cls, model_dir: Path) -> "SessionSettings":
+    def for_artifact(cls, model_dir: Path) -> SessionSettings:
         """The settings saved with an artifact, or the defaults when it has none."""
         path = Path(model_dir) / RUNTIME_CONFIG_FILE
         if not path.is_file():

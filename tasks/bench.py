@@ -23,8 +23,8 @@ import numpy as np
 from ortforge.names import MODEL_FILE
 from tasks import paths
 from tasks.files import atomic_write_json, folder_bytes, megabytes, read_json
-from tasks.params import BenchConfig, load_params
-from tasks.stage import StageError, model_parser, stage_main
+from tasks.params import BenchConfig
+from tasks.stage import StageError, stage_cli
 
 log = logging.getLogger(__name__)
 
@@ -136,33 +136,28 @@ def run(cfg: BenchConfig, variant_dir: Path, validate_report: Path, hf_dir: Path
         result["vs_baseline"] = ratios(result, result["baseline"])
     log.info(
         "%s: %.1f tokens/s decode (p50 %.1f ms), first token %.0f ms, peak RSS %.0f MB",
-        variant_dir, result["decode_tokens_per_second"], result["decode_ms_per_token_p50"],
-        result["seconds_to_first_token_p50"] * 1e3, result["peak_rss_mb"],
+        variant_dir,
+        result["decode_tokens_per_second"],
+        result["decode_ms_per_token_p50"],
+        result["seconds_to_first_token_p50"] * 1e3,
+        result["peak_rss_mb"],
     )
     return result
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = model_parser(__doc__.splitlines()[0], variant=True)
-    parser.add_argument("--variant-dir", type=Path, help="default: artifacts/<model>/variants/<variant>")
-    parser.add_argument("--validation", type=Path, help="default: reports/<model>/variants/<variant>/validate.json")
-    parser.add_argument("--hf", type=Path, help="baseline HF folder (default: artifacts/<model>/hf)")
-    parser.add_argument("--report", type=Path, help="default: reports/<model>/variants/<variant>/bench.json")
+    flags = {
+        "variant-dir": paths.variant_dir,
+        "validation": paths.validate_json,
+        "hf": paths.hf_dir,
+        "report": paths.bench_json,
+    }
 
-    def body(args):
-        params = load_params(args.params)
-        params.model(args.model)
-        params.variant(args.variant)
-        m, v = args.model, args.variant
-        result = run(
-            params.bench,
-            args.variant_dir or paths.variant_dir(m, v),
-            args.validation or paths.validate_json(m, v),
-            args.hf or paths.hf_dir(m),
-        )
-        atomic_write_json(args.report or paths.bench_json(m, v), result)
+    def body(a):
+        p = a.paths
+        atomic_write_json(p["report"], run(a.params.bench, p["variant-dir"], p["validation"], p["hf"]))
 
-    return stage_main(parser, body, argv)
+    return stage_cli(__doc__, flags, body, argv, variant=True)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,8 @@ from pathlib import Path
 from ortforge.manifest import sha256_file
 from tasks import gguf_convert, paths
 from tasks.files import atomic_output_dir, atomic_write_json, folder_bytes, megabytes
-from tasks.params import GGUFPackageSource, GGUFSource, HubSource, LocalSource, ModelSpec, load_params
-from tasks.stage import StageError, model_parser, stage_main
+from tasks.params import GGUFPackageSource, GGUFSource, HubSource, LocalSource, ModelSpec
+from tasks.stage import StageError, stage_cli
 from tasks.weights import check_safetensors
 
 log = logging.getLogger(__name__)
@@ -190,14 +190,7 @@ def _finish(folder: Path, spec: ModelSpec, record: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = model_parser(__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, help="output folder (default: artifacts/<model>/hf)")
-
-    def body(args):
-        spec = load_params(args.params).model(args.model)
-        run(spec, args.out or paths.hf_dir(args.model))
-
-    return stage_main(parser, body, argv)
+    return stage_cli(__doc__, {"out": paths.hf_dir}, lambda a: run(a.params.model(a.model), a.paths["out"]), argv)
 
 
 if __name__ == "__main__":

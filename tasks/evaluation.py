@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 
 from ortforge.generate import greedy_tokens
+from tasks.errors import StageError
 from tasks.files import atomic_write_json, read_json
 from tasks.params import EvalConfig
-from tasks.stage import StageError
 
 ARRAYS_FILE = "reference.npz"
 FIGURES_FILE = "reference.json"
@@ -43,9 +43,11 @@ class Reference:
         atomic_write_json(folder / FIGURES_FILE, figures)
 
     @classmethod
-    def load(cls, folder: Path) -> "Reference":
+    def load(cls, folder: Path) -> Reference:
         if not (folder / ARRAYS_FILE).is_file():
-            raise StageError(f"{folder} has no {ARRAYS_FILE}; run the reference stage first (dvc repro reference@<model>)")
+            raise StageError(
+                f"{folder} has no {ARRAYS_FILE}; run the reference stage first (dvc repro reference@<model>)"
+            )
         with np.load(folder / ARRAYS_FILE) as arrays:
             fields = {name: arrays[name] for name in arrays.files}
         return cls(**fields, perplexity=read_json(folder / FIGURES_FILE)["perplexity"])

@@ -15,8 +15,8 @@ from pathlib import Path
 from ortforge import names
 from tasks import onnx_io, paths
 from tasks.files import atomic_output_dir, folder_bytes, megabytes
-from tasks.params import ExportConfig, load_params
-from tasks.stage import StageError, model_parser, stage_main
+from tasks.params import ExportConfig
+from tasks.stage import StageError, stage_cli
 
 log = logging.getLogger(__name__)
 
@@ -84,16 +84,8 @@ def run(cfg: ExportConfig, hf_dir: Path, out_dir: Path) -> ExportResult:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = model_parser(__doc__.splitlines()[0])
-    parser.add_argument("--hf", type=Path, help="input HF folder (default: artifacts/<model>/hf)")
-    parser.add_argument("--out", type=Path, help="output folder (default: artifacts/<model>/onnx)")
-
-    def body(args):
-        params = load_params(args.params)
-        params.model(args.model)
-        run(params.export, args.hf or paths.hf_dir(args.model), args.out or paths.export_dir(args.model))
-
-    return stage_main(parser, body, argv)
+    flags = {"hf": paths.hf_dir, "out": paths.export_dir}
+    return stage_cli(__doc__, flags, lambda a: run(a.params.export, a.paths["hf"], a.paths["out"]), argv)
 
 
 if __name__ == "__main__":

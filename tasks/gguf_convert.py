@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ortforge.manifest import sha256_file
-from tasks.stage import StageError
+from tasks.errors import StageError
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from pathlib import Path
 from ortforge.names import MODEL_CONFIG_FILE, MODEL_FILE
 from tasks import onnx_io, paths
 from tasks.files import atomic_output_dir, atomic_write_json, folder_bytes, megabytes
-from tasks.params import OptimizeConfig, load_params
-from tasks.stage import StageError, model_parser, stage_main
+from tasks.params import OptimizeConfig
+from tasks.stage import StageError, stage_cli
 
 log = logging.getLogger(__name__)
 
@@ -83,20 +83,13 @@ def summary(result: OptimizeResult) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = model_parser(__doc__.splitlines()[0])
-    parser.add_argument("--onnx", type=Path, help="exported folder (default: artifacts/<model>/onnx)")
-    parser.add_argument("--hf", type=Path, help="HF folder for the model's config (default: artifacts/<model>/hf)")
-    parser.add_argument("--out", type=Path, help="output folder (default: artifacts/<model>/optimized)")
-    parser.add_argument("--report", type=Path, help="JSON report (default: reports/<model>/optimize.json)")
+    flags = {"onnx": paths.export_dir, "hf": paths.hf_dir, "out": paths.optimized_dir, "report": paths.optimize_json}
 
-    def body(args):
-        params = load_params(args.params)
-        params.model(args.model)
-        m = args.model
-        result = run(params.optimize, args.onnx or paths.export_dir(m), args.hf or paths.hf_dir(m), args.out or paths.optimized_dir(m))
-        atomic_write_json(args.report or paths.optimize_json(m), summary(result))
+    def body(a):
+        result = run(a.params.optimize, a.paths["onnx"], a.paths["hf"], a.paths["out"])
+        atomic_write_json(a.paths["report"], summary(result))
 
-    return stage_main(parser, body, argv)
+    return stage_cli(__doc__, flags, body, argv)
 
 
 if __name__ == "__main__":

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from tasks.errors import StageError
 from tasks.paths import EVAL_TEXT
-from tasks.stage import StageError
 
 # Names end up in folder names and DVC stage names (stage@model-variant).
 Name = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._]*(-[a-z0-9._]+)*$", max_length=64)]
@@ -69,7 +69,7 @@ class GGUFPackageSource(Strict):
     sha256: Sha256 | None = None
 
 
-Source = Annotated[Union[HubSource, LocalSource, GGUFSource, GGUFPackageSource], Field(discriminator="kind")]
+Source = Annotated[HubSource | LocalSource | GGUFSource | GGUFPackageSource, Field(discriminator="kind")]
 
 
 class ModelSpec(Strict):
@@ -112,7 +112,7 @@ class QuantizeConfig(Strict):
     reduce_range: bool = False
 
     @model_validator(mode="after")
-    def _settings_belong_to_method(self) -> "QuantizeConfig":
+    def _settings_belong_to_method(self) -> QuantizeConfig:
         foreign = sorted(self.model_fields_set - {"method"} - METHOD_FIELDS[self.method])
         if foreign:
             verb = "does" if len(foreign) == 1 else "do"
@@ -177,7 +177,7 @@ class Params(Strict):
     bench: BenchConfig = BenchConfig()
 
     @model_validator(mode="after")
-    def _every_variant_has_thresholds(self) -> "Params":
+    def _every_variant_has_thresholds(self) -> Params:
         missing = sorted(set(self.quantize) - set(self.validation.thresholds))
         if missing:
             raise ValueError(f"validate.thresholds has no entry for variant(s) {missing}; add one per variant")

@@ -16,8 +16,8 @@ from ortforge import names
 from ortforge.manifest import write_manifest
 from tasks import onnx_io, paths
 from tasks.files import atomic_output_dir, folder_bytes, megabytes, read_json
-from tasks.params import QuantizeConfig, load_params
-from tasks.stage import StageError, model_parser, stage_main
+from tasks.params import QuantizeConfig
+from tasks.stage import StageError, stage_cli
 from tasks.versions import tool_versions
 
 log = logging.getLogger(__name__)
@@ -100,25 +100,13 @@ def run(cfg: QuantizeConfig, model_dir: Path, hf_dir: Path, out_dir: Path, recor
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = model_parser(__doc__.splitlines()[0], variant=True)
-    parser.add_argument("--optimized", type=Path, help="input folder (default: artifacts/<model>/optimized)")
-    parser.add_argument("--hf", type=Path, help="HF folder for tokenizer and configs (default: artifacts/<model>/hf)")
-    parser.add_argument("--out", type=Path, help="output folder (default: artifacts/<model>/variants/<variant>)")
+    flags = {"optimized": paths.optimized_dir, "hf": paths.hf_dir, "out": paths.variant_dir}
 
-    def body(args):
-        params = load_params(args.params)
-        params.model(args.model)
-        cfg = params.variant(args.variant)
-        m, v = args.model, args.variant
-        run(
-            cfg,
-            args.optimized or paths.optimized_dir(m),
-            args.hf or paths.hf_dir(m),
-            args.out or paths.variant_dir(m, v),
-            {"model": m, "variant": v},
-        )
+    def body(a):
+        record = {"model": a.model, "variant": a.variant}
+        run(a.params.variant(a.variant), a.paths["optimized"], a.paths["hf"], a.paths["out"], record)
 
-    return stage_main(parser, body, argv)
+    return stage_cli(__doc__, flags, body, argv, variant=True)
 
 
 if __name__ == "__main__":

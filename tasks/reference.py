@@ -14,8 +14,8 @@ from pathlib import Path
 from tasks import paths
 from tasks.evaluation import Reference, eval_inputs, full_pass_logits, greedy, perplexity
 from tasks.files import atomic_output_dir
-from tasks.params import EvalConfig, load_params
-from tasks.stage import StageError, model_parser, stage_main
+from tasks.params import EvalConfig
+from tasks.stage import StageError, stage_cli
 
 log = logging.getLogger(__name__)
 
@@ -43,16 +43,8 @@ def run(cfg: EvalConfig, hf_dir: Path, out_dir: Path) -> Reference:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = model_parser(__doc__.splitlines()[0])
-    parser.add_argument("--hf", type=Path, help="HF folder (default: artifacts/<model>/hf)")
-    parser.add_argument("--out", type=Path, help="output folder (default: artifacts/<model>/reference)")
-
-    def body(args):
-        params = load_params(args.params)
-        params.model(args.model)
-        run(params.validation.eval, args.hf or paths.hf_dir(args.model), args.out or paths.reference_dir(args.model))
-
-    return stage_main(parser, body, argv)
+    flags = {"hf": paths.hf_dir, "out": paths.reference_dir}
+    return stage_cli(__doc__, flags, lambda a: run(a.params.validation.eval, a.paths["hf"], a.paths["out"]), argv)
 
 
 if __name__ == "__main__":

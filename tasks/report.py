@@ -11,8 +11,7 @@ from pathlib import Path
 
 from tasks import paths
 from tasks.files import atomic_write_text, read_json
-from tasks.params import load_params
-from tasks.stage import StageError, model_parser, stage_main
+from tasks.stage import StageError, stage_cli
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +88,7 @@ def markdown(model: str, rows: list[dict]) -> str:
     rule = "|" + "---|" * len(COLUMNS)
     lines = [f"# {model}", "", header, rule]
     for values in table_rows(rows):
-        cells = [fmt.format(value) for (_, fmt), value in zip(COLUMNS, values)]
+        cells = [fmt.format(value) for (_, fmt), value in zip(COLUMNS, values, strict=True)]
         lines.append("| " + " | ".join(cells) + " |")
     workload = rows[0]["bench"]["workload"]
     lines += [
@@ -112,7 +111,7 @@ def plot(model: str, rows: list[dict], path: Path) -> None:
     labels = [v[0] for v in values]
     panels = (("size on disk (MB)", 5), ("decode tokens/s", 6), ("perplexity", 2))
     figure, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8))
-    for axis, (title, column) in zip(axes, panels):
+    for axis, (title, column) in zip(axes, panels, strict=True):
         bars = axis.bar(range(len(labels)), [v[column] for v in values], color=["#3b75af"] * len(rows) + ["#999999"])
         axis.bar_label(bars, fmt="%.1f", fontsize=8)
         axis.set_title(title)
@@ -135,24 +134,12 @@ def run(model: str, variants: list[str], reports_dir: Path, md_path: Path, png_p
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = model_parser(__doc__.splitlines()[0])
-    parser.add_argument("--reports", type=Path, help="default: reports/<model>/variants")
-    parser.add_argument("--md", type=Path, help="default: reports/<model>/report.md")
-    parser.add_argument("--png", type=Path, help="default: reports/<model>/report.png")
+    flags = {"reports": paths.variant_reports, "md": paths.report_md, "png": paths.report_png}
 
-    def body(args):
-        params = load_params(args.params)
-        params.model(args.model)
-        m = args.model
-        run(
-            m,
-            list(params.quantize),
-            args.reports or paths.variant_reports(m),
-            args.md or paths.report_md(m),
-            args.png or paths.report_png(m),
-        )
+    def body(a):
+        run(a.model, list(a.params.quantize), a.paths["reports"], a.paths["md"], a.paths["png"])
 
-    return stage_main(parser, body, argv)
+    return stage_cli(__doc__, flags, body, argv)
 
 
 if __name__ == "__main__":

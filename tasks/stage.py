@@ -1,41 +1,75 @@
-"""What every stage entry point shares: one-line errors for users, logging, and the exit code."""
+"""What every stage entry point shares: the command line (model, variant, and input/output paths
+that default to tasks/paths.py), params loading, logging, and one-line errors with exit status 2."""
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import logging
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-log = logging.getLogger("ortforge")
+from tasks.errors import StageError
+
+if TYPE_CHECKING:
+    from tasks.params import Params
+
+__all__ = ["StageError", "StageArgs", "stage_cli"]
 
 
-class StageError(Exception):
-    """A problem the user can fix; its message names the bad value and the fix."""
+@dataclass(frozen=True)
+class StageArgs:
+    params: Params
+    model: str
+    variant: str | None
+    paths: dict[str, Path]
 
 
-def configure_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+def _default_path(path_of: Callable[..., Path], model: str, variant: str | None) -> Path:
+    takes_variant = len(inspect.signature(path_of).parameters) == 2
+    return path_of(model, variant) if takes_variant else path_of(model)
 
 
-def stage_main(
-    parser: argparse.ArgumentParser, body: Callable[[argparse.Namespace], object], argv: Sequence[str] | None
+def stage_cli(
+    doc: str,
+    path_flags: dict[str, Callable[..., Path]],
+    body: Callable[[StageArgs], object],
+    argv: Sequence[str] | None = None,
+    *,
+    variant: bool = False,
 ) -> int:
-    """Parse argv, run body, and turn a StageError into one line on stderr and exit status 2."""
-    args = parser.parse_args(argv)
-    configure_logging()
-    try:
-        body(args)
-    except StageError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    return 0
+    """Parse argv, load and check params, run body; a StageError becomes one line and exit 2.
 
-
-def model_parser(description: str, *, variant: bool = False) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=description)
+    path_flags maps each flag name (without dashes) to the tasks.paths function giving its default.
+    """
+    parser = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
     parser.add_argument("--params", default="params.yaml", help="the params file (default: params.yaml)")
     parser.add_argument("--model", required=True, help="a model name from params.yaml `models`")
     if variant:
         parser.add_argument("--variant", required=True, help="a variant name from params.yaml `quantize`")
-    return parser
+    for flag, path_of in path_flags.items():
+        shown = _default_path(path_of, "<model>", "<variant>")
+        parser.add_argument(f"--{flag}", type=Path, dest=flag.replace("-", "_"), help=f"default: {shown}")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        from tasks.params import load_params
+
+        params = load_params(args.params)
+        params.model(args.model)
+        chosen_variant = None
+        if variant:
+            params.variant(args.variant)  # an unknown variant stops here, naming the known ones
+            chosen_variant = args.variant
+        resolved = {
+            flag: getattr(args, flag.replace("-", "_")) or _default_path(path_of, args.model, chosen_variant)
+            for flag, path_of in path_flags.items()
+        }
+        body(StageArgs(params, args.model, chosen_variant, resolved))
+    except StageError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0

@@ -18,8 +18,8 @@ import numpy as np
 from tasks import paths
 from tasks.evaluation import Reference, cached_decode_gap, full_pass_logits, greedy, matching_prefix, perplexity
 from tasks.files import atomic_write_json
-from tasks.params import EvalConfig, Thresholds, load_params
-from tasks.stage import StageError, model_parser, stage_main
+from tasks.params import EvalConfig, Thresholds
+from tasks.stage import StageError, stage_cli
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,9 @@ def run(
 ) -> dict:
     """Measure, write the report, and raise ValidationFailed if any check fails."""
     if not (variant_dir / "model.onnx").is_file():
-        raise StageError(f"{variant_dir} has no model.onnx; run the quantize stage first (dvc repro quantize@<model>-{variant})")
+        raise StageError(
+            f"{variant_dir} has no model.onnx; run the quantize stage first (dvc repro quantize@<model>-{variant})"
+        )
     reference = Reference.load(reference_dir)
     figures = measure(variant_dir, reference, cfg)
     results = checks(figures, limits)
@@ -104,26 +106,14 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = model_parser(__doc__.splitlines()[0], variant=True)
-    parser.add_argument("--variant-dir", type=Path, help="default: artifacts/<model>/variants/<variant>")
-    parser.add_argument("--reference", type=Path, help="default: artifacts/<model>/reference")
-    parser.add_argument("--report", type=Path, help="default: reports/<model>/variants/<variant>/validate.json")
+    flags = {"variant-dir": paths.variant_dir, "reference": paths.reference_dir, "report": paths.validate_json}
 
-    def body(args):
-        params = load_params(args.params)
-        params.model(args.model)
-        params.variant(args.variant)
-        m, v = args.model, args.variant
-        run(
-            params.validation.eval,
-            params.validation.thresholds[v],
-            args.variant_dir or paths.variant_dir(m, v),
-            args.reference or paths.reference_dir(m),
-            args.report or paths.validate_json(m, v),
-            v,
-        )
+    def body(a):
+        section = a.params.validation
+        p = a.paths
+        run(section.eval, section.thresholds[a.variant], p["variant-dir"], p["reference"], p["report"], a.variant)
 
-    return stage_main(parser, body, argv)
+    return stage_cli(__doc__, flags, body, argv, variant=True)
 
 
 if __name__ == "__main__":

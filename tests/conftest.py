@@ -27,7 +27,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
 
 TINY_PARAMS = {
-    "models": {"tiny": {"source": {"kind": "local", "path": "<set by fixture>"}, "allow_pickle": False, "trust_remote_code": False}},
+    "models": {
+        "tiny": {
+            "source": {"kind": "local", "path": "<set by fixture>"},
+            "allow_pickle": False,
+            "trust_remote_code": False,
+        }
+    },
     "export": {"opset": 18},
     "optimize": {"model_type": "gpt2", "opt_level": 0},
     "quantize": {

@@ -14,12 +14,24 @@ from tests.conftest import REPO
 
 STAGES = ("download", "export", "optimize", "reference", "quantize", "validate", "bench", "report")
 # Plumbing that moves values and paths around without shaping any artifact's content.
-INFRASTRUCTURE = {"tasks/__init__.py", "tasks/params.py", "tasks/stage.py", "tasks/paths.py", "tasks/files.py"}
+INFRASTRUCTURE = {
+    "tasks/__init__.py",
+    "tasks/errors.py",
+    "tasks/params.py",
+    "tasks/stage.py",
+    "tasks/paths.py",
+    "tasks/files.py",
+}
 
 
 def expected_paths(stage: str, model: str, variant: str | None) -> tuple[set[Path], set[Path]]:
     """(inputs, outputs) of a stage according to tasks/paths.py."""
-    hf, onnx, opt, ref = paths.hf_dir(model), paths.export_dir(model), paths.optimized_dir(model), paths.reference_dir(model)
+    hf, onnx, opt, ref = (
+        paths.hf_dir(model),
+        paths.export_dir(model),
+        paths.optimized_dir(model),
+        paths.reference_dir(model),
+    )
     if variant:
         var, val = paths.variant_dir(model, variant), paths.validate_json(model, variant)
     table = {

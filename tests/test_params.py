@@ -42,7 +42,10 @@ def test_repository_params_set_every_key_explicitly():
 
 
 BAD_PARAMS = [
-    (lambda p: p["quantize"]["int4"].update(blok_size=32), "quantize.int4: unknown key `blok_size`; did you mean `block_size`?"),
+    (
+        lambda p: p["quantize"]["int4"].update(blok_size=32),
+        "quantize.int4: unknown key `blok_size`; did you mean `block_size`?",
+    ),
     (lambda p: p.update(quantise={}), "unknown key `quantise`; did you mean `quantize`?"),
     (lambda p: p["quantize"].update(int2={"method": "int2"}), "quantize.int2.method: Input should be 'fp32'"),
     (lambda p: p["quantize"]["int4"].update(block_size=48), "block_size 48 is not a power of two"),
@@ -51,12 +54,18 @@ BAD_PARAMS = [
     (lambda p: p["bench"].update(repeats="many"), "bench.repeats: Input should be a valid integer"),
     (lambda p: p["validate"]["thresholds"].pop("int4"), "validate.thresholds has no entry for variant(s) ['int4']"),
     (lambda p: p["models"]["tiny"]["source"].update(kind="ftp"), "does not match any of the expected tags"),
-    (lambda p: p["models"]["tiny"]["source"].update(pth="x"), "models.tiny.source: unknown key `pth`; did you mean `path`?"),
+    (
+        lambda p: p["models"]["tiny"]["source"].update(pth="x"),
+        "models.tiny.source: unknown key `pth`; did you mean `path`?",
+    ),
     (
         lambda p: p["models"].update(hubby={"source": {"kind": "hub", "repo_id": "org/name", "revision": "main"}}),
         "models.hubby.source.revision: String should match pattern",
     ),
-    (lambda p: p["models"].update({"Bad Name": p["models"]["tiny"]}), "models.Bad Name.[key]: String should match pattern"),
+    (
+        lambda p: p["models"].update({"Bad Name": p["models"]["tiny"]}),
+        "models.Bad Name.[key]: String should match pattern",
+    ),
 ]
 
 

@@ -14,12 +14,21 @@ def fake_reports(folder, variants):
     for i, variant in enumerate(variants):
         (folder / variant).mkdir(parents=True)
         validation = {
-            "passed": True, "perplexity": 20.0 + i, "ppl_ratio": 1.0 + i / 20, "reference_perplexity": 20.0,
-            "greedy_tokens_matched": 32 - i, "greedy_steps": 32, "tokens_scored": 2048,
+            "passed": True,
+            "perplexity": 20.0 + i,
+            "ppl_ratio": 1.0 + i / 20,
+            "reference_perplexity": 20.0,
+            "greedy_tokens_matched": 32 - i,
+            "greedy_steps": 32,
+            "tokens_scored": 2048,
         }
         timings = {
-            "size_mb": 500.0 / (i + 1), "decode_tokens_per_second": 50.0 * (i + 1), "decode_ms_per_token_p50": 20.0 / (i + 1),
-            "decode_ms_per_token_p95": 25.0 / (i + 1), "seconds_to_first_token_p50": 0.1, "peak_rss_mb": 800.0 - 100 * i,
+            "size_mb": 500.0 / (i + 1),
+            "decode_tokens_per_second": 50.0 * (i + 1),
+            "decode_ms_per_token_p50": 20.0 / (i + 1),
+            "decode_ms_per_token_p95": 25.0 / (i + 1),
+            "seconds_to_first_token_p50": 0.1,
+            "peak_rss_mb": 800.0 - 100 * i,
         }
         bench = {
             **timings,

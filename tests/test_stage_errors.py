@@ -11,16 +11,20 @@ import pytest
 from tests.conftest import run_module, tiny_params, write_params
 
 
+def quantize_args(built, variant):
+    return ["tasks.quantize", "--model", "tiny", "--variant", variant, "--optimized", str(built["optimized"])]
+
+
 def misspelled_key(tmp, built):
     params = tiny_params(built["hf"])
     params["quantize"]["int4"]["blok_size"] = params["quantize"]["int4"].pop("block_size")
     write_params(tmp, params)
-    return ["tasks.quantize", "--model", "tiny", "--variant", "int4", "--optimized", str(built["optimized"]), "--hf", str(built["hf"])]
+    return quantize_args(built, "int4")
 
 
 def unknown_variant(tmp, built):
     write_params(tmp, tiny_params(built["hf"]))
-    return ["tasks.quantize", "--model", "tiny", "--variant", "int3", "--optimized", str(built["optimized"]), "--hf", str(built["hf"])]
+    return quantize_args(built, "int3")
 
 
 def missing_path(tmp, built):

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from tasks import validate
-from tasks.params import Thresholds
 from tasks.evaluation import Reference
+from tasks.params import Thresholds
 from tasks.stage import StageError
 
 LOOSE = Thresholds(max_logit_diff=1e9, ppl_ratio=1e9, greedy_match=0.0, kv_max_diff=1e9)
@@ -30,10 +30,20 @@ def test_reference_holds_inputs_and_figures(built, params):
 def test_run_passes_variants_within_thresholds(built, params, tmp_path, variant):
     report = tmp_path / "validate.json"
     figures = validate.run(
-        params.validation.eval, params.validation.thresholds[variant], built[variant], built["reference"], report, variant
+        params.validation.eval,
+        params.validation.thresholds[variant],
+        built[variant],
+        built["reference"],
+        report,
+        variant,
     )
     written = json.loads(report.read_text())
-    assert written["passed"] is True and set(written["checks"]) == {"max_logit_diff", "ppl_ratio", "greedy_match", "kv_max_diff"}
+    assert written["passed"] is True and set(written["checks"]) == {
+        "max_logit_diff",
+        "ppl_ratio",
+        "greedy_match",
+        "kv_max_diff",
+    }
     if variant == "fp32":
         assert figures["max_logit_diff"] < 1e-3 and figures["greedy_match"] == 1.0
     else:  # quantization must change the numbers, or the variant is not what it claims
@@ -59,7 +69,9 @@ def test_run_gate_stops_a_corrupted_variant(built, params, tmp_path):
     broken = corrupt(built["int4"], tmp_path / "broken")
     report = tmp_path / "validate.json"
     with pytest.raises(validate.ValidationFailed) as error:
-        validate.run(params.validation.eval, params.validation.thresholds["int4"], broken, built["reference"], report, "int4")
+        validate.run(
+            params.validation.eval, params.validation.thresholds["int4"], broken, built["reference"], report, "int4"
+        )
     message = str(error.value)
     assert message.startswith("variant int4 failed validation: ")
     assert "validate.thresholds.int4" in message

@@ -75,7 +75,11 @@ def build_hf_model(folder: Path, text_path: Path, seed: int = 0, **config_overri
 
 def _llama_cpp_permute(weights: np.ndarray, heads: int) -> np.ndarray:
     # llama.cpp stores q/k rows interleaved for its rotary layout; transformers undoes it on load.
-    return weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
+    return (
+        weights.reshape(heads, 2, weights.shape[0] // heads // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
 
 
 def write_gguf(hf_dir: Path, path: Path, add_bos: bool = False) -> Path:
@@ -108,7 +112,9 @@ def write_gguf(hf_dir: Path, path: Path, add_bos: bool = False) -> Path:
     writer.add_tokenizer_pre("gpt2")
     writer.add_token_list([token for token, _ in vocab])
     special = {i for i, _ in enumerate(SPECIAL_TOKENS)}
-    writer.add_token_types([gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL for i in range(len(vocab))])
+    writer.add_token_types(
+        [gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL for i in range(len(vocab))]
+    )
     writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tokenizer["model"]["merges"]])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
