@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         p = a.paths
         atomic_write_json(p["report"], run(a.params.bench, p["variant-dir"], p["validation"], p["hf"]))
 
-    return stage_cli(__doc__, flags, body, argv, variant=True)
+    return stage_cli("bench", __doc__, flags, body, argv, variant=True)
 
 
 if __name__ == "__main__":

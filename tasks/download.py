@@ -190,7 +190,9 @@ def _finish(folder: Path, spec: ModelSpec, record: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return stage_cli(__doc__, {"out": paths.hf_dir}, lambda a: run(a.params.model(a.model), a.paths["out"]), argv)
+    return stage_cli(
+        "download", __doc__, {"out": paths.hf_dir}, lambda a: run(a.params.model(a.model), a.paths["out"]), argv
+    )
 
 
 if __name__ == "__main__":

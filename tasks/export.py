@@ -85,7 +85,7 @@ def run(cfg: ExportConfig, hf_dir: Path, out_dir: Path) -> ExportResult:
 
 def main(argv: list[str] | None = None) -> int:
     flags = {"hf": paths.hf_dir, "out": paths.export_dir}
-    return stage_cli(__doc__, flags, lambda a: run(a.params.export, a.paths["hf"], a.paths["out"]), argv)
+    return stage_cli("export", __doc__, flags, lambda a: run(a.params.export, a.paths["hf"], a.paths["out"]), argv)
 
 
 if __name__ == "__main__":

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         result = run(a.params.optimize, a.paths["onnx"], a.paths["hf"], a.paths["out"])
         atomic_write_json(a.paths["report"], summary(result))
 
-    return stage_cli(__doc__, flags, body, argv)
+    return stage_cli("optimize", __doc__, flags, body, argv)
 
 
 if __name__ == "__main__":

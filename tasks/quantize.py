@@ -18,7 +18,7 @@ from tasks import onnx_io, paths
 from tasks.files import atomic_output_dir, folder_bytes, megabytes, read_json
 from tasks.params import QuantizeConfig
 from tasks.stage import StageError, stage_cli
-from tasks.versions import tool_versions
+from tasks.versions import lineage_versions
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +82,7 @@ def _int4(cfg: QuantizeConfig, model_dir: Path):
 
 
 def run(cfg: QuantizeConfig, model_dir: Path, hf_dir: Path, out_dir: Path, record: dict) -> QuantizeResult:
+    """Write the variant; record (model, variant, tool versions) goes into its manifest."""
     if not (model_dir / names.MODEL_FILE).is_file():
         raise StageError(f"{model_dir} has no {names.MODEL_FILE}; run the optimize stage first")
     log.info("quantizing %s with %s", model_dir, cfg.model_dump(exclude_defaults=True))
@@ -93,7 +94,7 @@ def run(cfg: QuantizeConfig, model_dir: Path, hf_dir: Path, out_dir: Path, recor
                 shutil.copyfile(hf_dir / name, tmp / name)
         source = read_json(hf_dir / paths.SOURCE_FILE)
         source.pop("files", None)
-        write_manifest(tmp, {**record, "source": source, "params": cfg.model_dump(), "tool_versions": tool_versions()})
+        write_manifest(tmp, {**record, "source": source, "params": cfg.model_dump()})
     size = folder_bytes(out_dir, names.MODEL_FILE + "*")
     log.info("wrote %s (model %.1f MB)", out_dir, size / 1e6)
     return QuantizeResult(out_dir, cfg.method, megabytes(size))
@@ -103,10 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     flags = {"optimized": paths.optimized_dir, "hf": paths.hf_dir, "out": paths.variant_dir}
 
     def body(a):
-        record = {"model": a.model, "variant": a.variant}
+        record = {"model": a.model, "variant": a.variant, "tool_versions": lineage_versions(a.pins_file)}
         run(a.params.variant(a.variant), a.paths["optimized"], a.paths["hf"], a.paths["out"], record)
 
-    return stage_cli(__doc__, flags, body, argv, variant=True)
+    return stage_cli("quantize", __doc__, flags, body, argv, variant=True)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,9 @@ def run(cfg: EvalConfig, hf_dir: Path, out_dir: Path) -> Reference:
 
 def main(argv: list[str] | None = None) -> int:
     flags = {"hf": paths.hf_dir, "out": paths.reference_dir}
-    return stage_cli(__doc__, flags, lambda a: run(a.params.validation.eval, a.paths["hf"], a.paths["out"]), argv)
+    return stage_cli(
+        "reference", __doc__, flags, lambda a: run(a.params.validation.eval, a.paths["hf"], a.paths["out"]), argv
+    )
 
 
 if __name__ == "__main__":

@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     def body(a):
         run(a.model, list(a.params.quantize), a.paths["reports"], a.paths["md"], a.paths["png"])
 
-    return stage_cli(__doc__, flags, body, argv)
+    return stage_cli("report", __doc__, flags, body, argv)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ class StageArgs:
     model: str
     variant: str | None
     paths: dict[str, Path]
+    pins_file: Path  # versions.yaml beside the params file
 
 
 def _default_path(path_of: Callable[..., Path], model: str, variant: str | None) -> Path:
@@ -34,6 +35,7 @@ def _default_path(path_of: Callable[..., Path], model: str, variant: str | None)
 
 
 def stage_cli(
+    stage: str,
     doc: str,
     path_flags: dict[str, Callable[..., Path]],
     body: Callable[[StageArgs], object],
@@ -41,9 +43,10 @@ def stage_cli(
     *,
     variant: bool = False,
 ) -> int:
-    """Parse argv, load and check params, run body; a StageError becomes one line and exit 2.
+    """Parse argv, check params and tool versions, run body; a StageError becomes one line, exit 2.
 
     path_flags maps each flag name (without dashes) to the tasks.paths function giving its default.
+    The tool versions are checked against versions.yaml beside the params file.
     """
     parser = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
     parser.add_argument("--params", default="params.yaml", help="the params file (default: params.yaml)")
@@ -57,8 +60,11 @@ def stage_cli(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         from tasks.params import load_params
+        from tasks.versions import PINS_FILE, check_installed
 
         params = load_params(args.params)
+        pins_file = Path(args.params).parent / PINS_FILE.name
+        check_installed(stage, pins_file)
         params.model(args.model)
         chosen_variant = None
         if variant:
@@ -68,7 +74,7 @@ def stage_cli(
             flag: getattr(args, flag.replace("-", "_")) or _default_path(path_of, args.model, chosen_variant)
             for flag, path_of in path_flags.items()
         }
-        body(StageArgs(params, args.model, chosen_variant, resolved))
+        body(StageArgs(params, args.model, chosen_variant, resolved, pins_file))
     except StageError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

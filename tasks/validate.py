@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         p = a.paths
         run(section.eval, section.thresholds[a.variant], p["variant-dir"], p["reference"], p["report"], a.variant)
 
-    return stage_cli(__doc__, flags, body, argv, variant=True)
+    return stage_cli("validate", __doc__, flags, body, argv, variant=True)
 
 
 if __name__ == "__main__":

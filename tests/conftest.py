@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -17,7 +18,17 @@ from tests import tiny_models
 
 REPO = Path(__file__).resolve().parents[1]
 EVAL_TEXT = REPO / "data" / "eval" / "GPL-3.txt"
-PROJECT_FILES = ("tasks", "ortforge", "flows", "data", "dvc.yaml", ".dvcignore", "prefect.toml", ".gitignore")
+PROJECT_FILES = (
+    "tasks",
+    "ortforge",
+    "flows",
+    "data",
+    "dvc.yaml",
+    "versions.yaml",
+    ".dvcignore",
+    "prefect.toml",
+    ".gitignore",
+)
 
 # Keep every tool in the tests quiet and local.
 os.environ.setdefault("DVC_NO_ANALYTICS", "1")
@@ -25,6 +36,9 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # dvc.yaml runs `python -m ...`: make that the interpreter running the tests, venv activated or not.
 os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+for variable in ("GIT_AUTHOR", "GIT_COMMITTER"):  # tests commit in throwaway repositories
+    os.environ.setdefault(f"{variable}_NAME", "ortforge tests")
+    os.environ.setdefault(f"{variable}_EMAIL", "tests@ortforge.invalid")
 
 TINY_PARAMS = {
     "models": {
@@ -112,6 +126,7 @@ def params(tiny_hf):
 def built(tmp_path_factory, tiny_hf, params) -> dict[str, Path]:
     """Every stage's output folder for the tiny model, built once through the stages' run()."""
     from tasks import download, export, optimize, quantize, reference
+    from tasks.versions import lineage_versions
 
     root = tmp_path_factory.mktemp("built")
     out = {name: root / name for name in ("hf", "onnx", "optimized", "reference")}
@@ -121,21 +136,56 @@ def built(tmp_path_factory, tiny_hf, params) -> dict[str, Path]:
     reference.run(params.validation.eval, out["hf"], out["reference"])
     for variant, cfg in params.quantize.items():
         out[variant] = root / "variants" / variant
-        quantize.run(cfg, out["optimized"], out["hf"], out[variant], {"model": "tiny", "variant": variant})
+        record = {"model": "tiny", "variant": variant, "tool_versions": lineage_versions(REPO / "versions.yaml")}
+        quantize.run(cfg, out["optimized"], out["hf"], out[variant], record)
     return out
+
+
+def make_project(folder: Path, hf_dir: Path) -> Path:
+    """A fresh git + DVC repository at folder with the project's code, DVC config and tiny params.
+
+    The project's default remote (a folder beside the repository) lands beside folder.
+    """
+    folder.mkdir(parents=True)
+    for name in PROJECT_FILES:
+        source = REPO / name
+        if source.is_dir():
+            shutil.copytree(source, folder / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(source, folder / name)
+    write_params(folder, tiny_params(hf_dir))
+    for command in (["git", "init", "-q"], [sys.executable, "-m", "dvc", "init", "-q"]):
+        subprocess.run(command, cwd=folder, check=True)
+    shutil.copy2(REPO / ".dvc" / "config", folder / ".dvc" / "config")
+    return folder
 
 
 @pytest.fixture
 def project(tmp_path, tiny_hf) -> Path:
-    """A fresh git + DVC repository holding the project's code and tiny-model params."""
-    for name in PROJECT_FILES:
-        source = REPO / name
-        if source.is_dir():
-            shutil.copytree(source, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
-        else:
-            shutil.copy2(source, tmp_path / name)
-    write_params(tmp_path, tiny_params(tiny_hf))
-    for command in (["git", "init", "-q"], [sys.executable, "-m", "dvc", "init", "-q"]):
-        subprocess.run(command, cwd=tmp_path, check=True)
-    subprocess.run([sys.executable, "-m", "dvc", "config", "core.analytics", "false"], cwd=tmp_path, check=True)
-    return tmp_path
+    return make_project(tmp_path / "repo", tiny_hf)
+
+
+def dvc(project: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=project, capture_output=True, text=True)
+    if check:
+        assert result.returncode == 0, f"dvc {' '.join(args)}: {result.stdout[-3000:]}{result.stderr[-3000:]}"
+    return result
+
+
+def dvc_repro(project: Path, *args: str) -> list[str]:
+    """Run `dvc repro`; return the stages whose commands executed."""
+    return re.findall(r"Running stage '([^']+)'", dvc(project, "repro", *args).stdout)
+
+
+def git(project: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=project, check=True, capture_output=True, text=True).stdout
+
+
+def set_param(project: Path, keys: list[str], value, file: str = "params.yaml") -> None:
+    path = project / file
+    params = yaml.safe_load(path.read_text())
+    node = params
+    for key in keys[:-1]:
+        node = node[key]
+    node[keys[-1]] = value
+    path.write_text(yaml.safe_dump(params, sort_keys=False))

@@ -107,12 +107,14 @@ def local_imports(path: Path) -> set[str]:
 
 
 def import_closure(start: str) -> set[str]:
+    """start and what it imports, transitively, not looking inside the plumbing modules."""
     seen, todo = set(), [start]
     while todo:
         current = todo.pop()
         if current not in seen:
             seen.add(current)
-            todo += local_imports(REPO / current) - seen
+            if current not in INFRASTRUCTURE:
+                todo += local_imports(REPO / current) - seen
     return seen
 
 
@@ -123,6 +125,18 @@ def test_dvc_deps_cover_every_imported_helper(dvc_stages):
         needed = import_closure(f"tasks/{name}.py") - INFRASTRUCTURE
         uncovered = [f for f in needed if not any(f == d or f.startswith(d.rstrip("/") + "/") for d in declared)]
         assert not uncovered, f"{stage.addressing} imports {sorted(uncovered)} but dvc.yaml does not list them as deps"
+
+
+def test_dvc_params_pin_exactly_the_tools_each_stage_uses(dvc_stages):
+    from tasks.versions import STAGE_TOOLS, load_pins
+
+    pins = load_pins(REPO / "versions.yaml")
+    for stage in dvc_stages:
+        name = split_address(stage)[0]
+        tracked = [dep for dep in stage.deps if str(dep.def_path) == "versions.yaml"]
+        assert len(tracked) == 1, stage.addressing
+        assert sorted(tracked[0].params) == sorted(STAGE_TOOLS[name]), stage.addressing
+        assert set(STAGE_TOOLS[name]) <= set(pins)
 
 
 def test_flow_targets_name_real_stages(dvc_stages):

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-import re
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
+
+from tests.conftest import dvc, dvc_repro, set_param
 
 pytestmark = pytest.mark.e2e
 
@@ -17,22 +19,6 @@ ALL_STAGES = {
     *(f"{stage}@tiny" for stage in ("download", "export", "optimize", "reference", "report")),
     *(f"{stage}@tiny-{variant}" for stage in VARIANT_STAGES for variant in ("fp32", "int8", "int4")),
 }
-
-
-def dvc_repro(project: Path) -> list[str]:
-    result = subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=project, capture_output=True, text=True)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return re.findall(r"Running stage '([^']+)'", result.stdout)
-
-
-def set_param(project: Path, keys: list[str], value) -> None:
-    path = project / "params.yaml"
-    params = yaml.safe_load(path.read_text())
-    node = params
-    for key in keys[:-1]:
-        node = node[key]
-    node[keys[-1]] = value
-    path.write_text(yaml.safe_dump(params, sort_keys=False))
 
 
 def test_dvc_repro_builds_all_then_nothing_then_only_what_changed(project):
@@ -45,6 +31,28 @@ def test_dvc_repro_builds_all_then_nothing_then_only_what_changed(project):
 
     set_param(project, ["quantize", "int4", "block_size"], 16)
     assert set(dvc_repro(project)) == {"quantize@tiny-int4", "validate@tiny-int4", "bench@tiny-int4", "report@tiny"}
+
+    # Same values in another layout, and files no stage reads: nothing to do.
+    params = yaml.safe_load((project / "params.yaml").read_text())
+    (project / "params.yaml").write_text("# reformatted\n" + yaml.safe_dump(params, default_flow_style=True, width=60))
+    (project / "NOTES.md").write_text("unrelated\n")
+    (project / "tasks" / "__init__.py").write_text('"""touched"""\n')
+    assert dvc_repro(project) == []
+
+
+def test_tool_upgrade_invalidates_exactly_the_stages_using_it(project):
+    dvc_repro(project)
+    set_param(project, ["onnxruntime"], "9.9.9", file="versions.yaml")
+    status = json.loads(dvc(project, "status", "--json").stdout)
+    expected = {"optimize@tiny", *(f"{s}@tiny-{v}" for s in VARIANT_STAGES for v in ("fp32", "int8", "int4"))}
+    assert set(status) == expected
+    # The stage refuses to build under a pin that is not what is installed.
+    result = dvc(project, "repro", check=False)
+    assert result.returncode != 0
+    assert (
+        "installed versions differ from versions.yaml: onnxruntime 1.32.0 (pinned 9.9.9)"
+        in result.stderr + result.stdout
+    )
 
 
 def test_dvc_repro_stops_on_failed_gate_and_names_it(project):

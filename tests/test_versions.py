@@ -1,0 +1,52 @@
+"""versions.yaml: one set of pins that constraints.txt and pyproject agree with, checked at run time."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tasks.errors import StageError
+from tasks.versions import STAGE_TOOLS, check_installed, lineage_versions, load_pins
+from tests.conftest import REPO
+
+
+def pinned_in(text: str) -> dict[str, str]:
+    """name==version pins in a requirements-like text, names normalized as PEP 503 does."""
+    found = re.findall(r"^\s*\"?([A-Za-z0-9_.-]+)==([^\s\",;]+)", text, re.M)
+    return {re.sub(r"[-_.]+", "-", name).lower(): version for name, version in found}
+
+
+def test_pins_agree_with_constraints_and_pyproject():
+    pins = load_pins(REPO / "versions.yaml")
+    constraints = pinned_in((REPO / "constraints.txt").read_text())
+    pyproject = pinned_in((REPO / "pyproject.toml").read_text())
+    for tool, version in pins.items():
+        assert constraints.get(tool) == version, f"constraints.txt pins {tool} {constraints.get(tool)}"
+        if tool in pyproject:
+            assert pyproject[tool] == version, f"pyproject.toml pins {tool} {pyproject[tool]}"
+
+
+@pytest.mark.parametrize("stage", sorted(STAGE_TOOLS))
+def test_check_installed_accepts_this_environment(stage):
+    assert set(check_installed(stage, REPO / "versions.yaml")) == set(STAGE_TOOLS[stage])
+
+
+def test_check_installed_names_the_mismatch_and_the_fix(tmp_path):
+    pins = (REPO / "versions.yaml").read_text().replace("onnxruntime: 1.32.0", "onnxruntime: 9.9.9")
+    (tmp_path / "versions.yaml").write_text(pins)
+    with pytest.raises(StageError, match=r"onnxruntime 1\.32\.0 \(pinned 9\.9\.9\).*Run scripts/install.sh"):
+        check_installed("quantize", tmp_path / "versions.yaml")
+    check_installed("download", tmp_path / "versions.yaml")  # download does not use onnxruntime
+
+
+def test_check_installed_requires_a_pin_per_tool(tmp_path):
+    (tmp_path / "versions.yaml").write_text("onnx: 1.23.2\n")
+    with pytest.raises(StageError, match="has no pin for onnxruntime"):
+        check_installed("optimize", tmp_path / "versions.yaml")
+
+
+def test_lineage_versions_cover_every_stage_that_shapes_a_variant():
+    versions = lineage_versions(REPO / "versions.yaml")
+    assert {"torch", "transformers", "optimum-onnx", "onnx", "onnxruntime", "gguf"} <= set(versions)
+    assert "matplotlib" not in versions
