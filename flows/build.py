@@ -9,51 +9,15 @@ starts); set PREFECT_API_URL to report to a real one.
 from __future__ import annotations
 
 import argparse
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
+from flows.dvc import reproduce
 from tasks import paths
 from tasks.params import load_params
-
-STAGE_STARTED = re.compile(r"Running stage '([^']+)'")
-
-
-class ReproduceFailed(RuntimeError):
-    pass
-
-
-def reproduce(root: Path, targets: list[str] | None = None) -> list[str]:
-    """Run `dvc repro` in root, echoing its output; return the stages that actually executed.
-
-    A subprocess, because DVC resolves stage paths against the working directory, and a flow may
-    build a repository other than the one it was started from.
-    """
-    command = [sys.executable, "-m", "dvc", "repro", *(targets or [])]
-    executed, tail = [], []
-    with subprocess.Popen(
-        command,
-        cwd=root,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        encoding="utf-8",
-        errors="replace",
-    ) as process:
-        for line in process.stdout:
-            print(line.rstrip())
-            tail = (tail + [line.rstrip()])[-20:]
-            if match := STAGE_STARTED.search(line):
-                executed.append(match.group(1))
-    if process.returncode != 0:
-        errors = [line for line in tail if "error" in line.lower()] or tail[-3:]
-        raise ReproduceFailed(f"`dvc repro {' '.join(targets or [])}` failed in {root}: {' | '.join(errors)}")
-    return executed
 
 
 # Prefect's result cache keys on argument values, not file contents; DVC owns content hashing.

@@ -46,6 +46,8 @@ class HubSource(Strict):
     repo_id: str = Field(pattern=r"^[\w.-]+/[\w.-]+$")
     # A commit sha, not a branch: the same params must always mean the same weights.
     revision: str = Field(pattern=r"^[0-9a-f]{40}$")
+    # A branch the scheduled rebuild checks; when it moves, revision is bumped to its new commit.
+    follow: str | None = None
 
 
 class LocalSource(Strict):

@@ -7,8 +7,10 @@ import copy
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -95,8 +97,10 @@ def tiny_params(hf_dir: Path, **sections) -> dict:
 
 
 def write_params(folder: Path, params: dict) -> Path:
+    """params.yaml in folder, with the repository's versions.yaml beside it (stages read both)."""
     path = folder / "params.yaml"
     path.write_text(yaml.safe_dump(params, sort_keys=False), encoding="utf-8")
+    shutil.copy2(REPO / "versions.yaml", folder / "versions.yaml")
     return path
 
 
@@ -189,3 +193,58 @@ def set_param(project: Path, keys: list[str], value, file: str = "params.yaml") 
         node = node[key]
     node[keys[-1]] = value
     path.write_text(yaml.safe_dump(params, sort_keys=False))
+
+
+@pytest.fixture(scope="session")
+def pushed(tmp_path_factory, tiny_hf) -> Path:
+    """A tiny-model project built once, committed, and pushed to its default remote."""
+    project = make_project(tmp_path_factory.mktemp("cache") / "origin", tiny_hf)
+    assert dvc_repro(project)
+    git(project, "add", "-A")
+    git(project, "commit", "-q", "-m", "build")
+    dvc(project, "push")
+    return project
+
+
+def fresh_clone(origin: Path, name: str) -> Path:
+    clone = origin.parent / name
+    git(origin.parent, "clone", "-q", str(origin), str(clone))
+    return clone
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3-compatible server on 127.0.0.1, with the bucket the project's s3 remote names."""
+    import boto3
+
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="test", aws_secret_access_key="test")
+        for _ in range(100):
+            try:
+                client.create_bucket(Bucket="ortforge-cache")
+                break
+            except Exception:  # not listening yet
+                time.sleep(0.1)
+        yield endpoint
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+def use_s3(project: Path, endpoint: str) -> None:
+    dvc(project, "remote", "modify", "--local", "s3", "endpointurl", endpoint)
+    dvc(project, "remote", "modify", "--local", "s3", "access_key_id", "test")
+    dvc(project, "remote", "modify", "--local", "s3", "secret_access_key", "test")

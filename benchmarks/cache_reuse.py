@@ -1,0 +1,91 @@
+"""How much a restored DVC cache saves: a cold build, a no-op `dvc repro`, and a warm CI-style run
+(fresh clone + the cold build's .dvc/cache restored), on the committed params (the default model).
+
+    python benchmarks/cache_reuse.py [--keep]
+
+Clones HEAD into a temporary folder (commit first), prints a table and writes
+benchmarks/results/cache_reuse.json. Takes about as long as one full build.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results" / "cache_reuse.json"
+
+
+def timed(command: list[str], cwd: Path) -> dict:
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "DVC_NO_ANALYTICS": "1",
+    }
+    started = time.perf_counter()
+    result = subprocess.run(command, cwd=cwd, capture_output=True, text=True, env=env)
+    seconds = time.perf_counter() - started
+    if result.returncode != 0:
+        raise SystemExit(f"error: {' '.join(command)} failed in {cwd}:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
+    return {"seconds": round(seconds, 2), "stages_executed": len(re.findall(r"Running stage '", result.stdout))}
+
+
+def clone(into: Path) -> Path:
+    subprocess.run(["git", "clone", "-q", str(REPO), str(into)], check=True)
+    return into
+
+
+def measure(workdir: Path) -> dict:
+    dvc_repro = [sys.executable, "-m", "dvc", "repro"]
+    cold_repo = clone(workdir / "cold")
+    print("cold build (empty cache)...", flush=True)
+    cold = timed(dvc_repro, cold_repo)
+    print("no-op dvc repro...", flush=True)
+    noop = timed(dvc_repro, cold_repo)
+
+    warm_repo = clone(workdir / "warm")
+    started = time.perf_counter()
+    shutil.copytree(cold_repo / ".dvc" / "cache", warm_repo / ".dvc" / "cache")  # what actions/cache restores
+    restore_seconds = round(time.perf_counter() - started, 2)
+    print("warm CI-style run (fresh clone + restored cache)...", flush=True)
+    warm = timed(dvc_repro, warm_repo)
+    cache_bytes = sum(p.stat().st_size for p in (cold_repo / ".dvc" / "cache").rglob("*") if p.is_file())
+    return {
+        "cold_build": cold,
+        "noop_repro": noop,
+        "warm_ci_run": {**warm, "cache_restore_seconds": restore_seconds, "cache_mb": round(cache_bytes / 1e6)},
+        "warm_share_of_cold": round(warm["seconds"] / cold["seconds"], 4),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--keep", action="store_true", help="keep the temporary clones")
+    args = parser.parse_args(argv)
+    workdir = Path(tempfile.mkdtemp(prefix="ortforge-cache-bench-"))
+    try:
+        figures = measure(workdir)
+    finally:
+        if not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(figures, indent=2) + "\n", encoding="utf-8")
+    print("\n| run | wall s | stages executed |\n|---|---|---|")
+    for name in ("cold_build", "noop_repro", "warm_ci_run"):
+        print(f"| {name.replace('_', ' ')} | {figures[name]['seconds']:.1f} | {figures[name]['stages_executed']} |")
+    print(f"\nwarm run = {figures['warm_share_of_cold']:.1%} of the cold build; written to {RESULTS.relative_to(REPO)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
