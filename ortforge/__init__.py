@@ -6,6 +6,7 @@ neither torch nor the build tools.
 
 from ortforge.decoder import Decoder, KVCache
 from ortforge.generate import IncrementalDetokenizer, TextGenerator, greedy_tokens
+from ortforge.manifest import check_validated
 from ortforge.session import SessionSettings, create_session
 
 __all__ = [
@@ -14,6 +15,7 @@ __all__ = [
     "KVCache",
     "SessionSettings",
     "TextGenerator",
+    "check_validated",
     "create_session",
     "greedy_tokens",
 ]

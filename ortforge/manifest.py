@@ -7,7 +7,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from ortforge.names import MANIFEST_FILE
+from ortforge.names import MANIFEST_FILE, VALIDATION_SUFFIX
 
 CHUNK = 1 << 20
 
@@ -47,3 +47,22 @@ def mismatched_files(folder: Path) -> list[str]:
     recorded = read_manifest(folder)["files"]
     actual = file_records(folder)
     return sorted(name for name in set(recorded) | set(actual) if recorded.get(name) != actual.get(name))
+
+
+def validation_stamp(folder: Path) -> Path:
+    """Where the validate stage records that the variant in folder passed: a sibling file, so the
+    variant folder itself stays exactly what quantize wrote."""
+    folder = Path(folder)
+    return folder.with_name(folder.name + VALIDATION_SUFFIX)
+
+
+def check_validated(folder: Path) -> dict:
+    """The stamp of a variant that passed validation, unchanged since; ValueError otherwise."""
+    stamp = validation_stamp(folder)
+    if not stamp.is_file():
+        raise ValueError(f"{folder} has no validation stamp {stamp.name}: it was not validated or it failed")
+    record = json.loads(stamp.read_text(encoding="utf-8"))
+    actual = sha256_file(Path(folder) / MANIFEST_FILE)
+    if not record.get("passed") or record.get("manifest_sha256") != actual:
+        raise ValueError(f"{stamp} does not vouch for {folder} as it is now (manifest sha256 {actual[:12]})")
+    return record

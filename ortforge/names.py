@@ -17,6 +17,7 @@ TOTAL_SEQUENCE = "total_sequence_length"
 MODEL_FILE = "model.onnx"
 RUNTIME_CONFIG_FILE = "runtime.json"
 MANIFEST_FILE = "manifest.json"
+VALIDATION_SUFFIX = ".valid.json"  # <variant>.valid.json beside the variant folder, written only on pass
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 GENERATION_CONFIG_FILE = "generation_config.json"
 MODEL_CONFIG_FILE = "config.json"

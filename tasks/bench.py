@@ -1,6 +1,6 @@
 """Time one validated variant on a fixed generation workload, beside PyTorch fp32 with its KV cache.
 
-Reads artifacts/<model>/variants/<variant>, its validate.json (an unvalidated variant is not
+Reads artifacts/<model>/variants/<variant> and its validation stamp (an unvalidated variant is not
 benchmarked), artifacts/<model>/hf for the baseline, and params.yaml `bench`; writes
 reports/<model>/variants/<variant>/bench.json (a DVC metric): time to first token and decode
 ms/token p50/p95, decode and prefill tokens/s, peak RSS, size on disk, and ratios to the baseline.
@@ -20,9 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
+from ortforge.manifest import check_validated
 from ortforge.names import MODEL_FILE
 from tasks import paths
-from tasks.files import atomic_write_json, folder_bytes, megabytes, read_json
+from tasks.files import atomic_write_json, folder_bytes, megabytes
 from tasks.params import BenchConfig
 from tasks.stage import StageError, stage_cli
 
@@ -118,9 +119,11 @@ def prompt_ids(variant_dir: Path, text: Path, count: int) -> list[int]:
     return ids[:count]
 
 
-def run(cfg: BenchConfig, variant_dir: Path, validate_report: Path, hf_dir: Path) -> dict:
-    if not validate_report.is_file() or not read_json(validate_report).get("passed"):
-        raise StageError(f"{variant_dir} has not passed validation ({validate_report}); it is not benchmarked")
+def run(cfg: BenchConfig, variant_dir: Path, hf_dir: Path) -> dict:
+    try:
+        check_validated(variant_dir)
+    except ValueError as error:
+        raise StageError(f"{error}; only validated variants are benchmarked (dvc repro validate@...)") from None
     prompt = prompt_ids(variant_dir, cfg.text, cfg.prompt_tokens)
     engines = {ORT: variant_dir, **({TORCH: hf_dir} if cfg.baseline else {})}
     runs: dict[str, list[dict]] = {engine: [] for engine in engines}
@@ -146,16 +149,11 @@ def run(cfg: BenchConfig, variant_dir: Path, validate_report: Path, hf_dir: Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    flags = {
-        "variant-dir": paths.variant_dir,
-        "validation": paths.validate_json,
-        "hf": paths.hf_dir,
-        "report": paths.bench_json,
-    }
+    flags = {"variant-dir": paths.variant_dir, "hf": paths.hf_dir, "report": paths.bench_json}
 
     def body(a):
         p = a.paths
-        atomic_write_json(p["report"], run(a.params.bench, p["variant-dir"], p["validation"], p["hf"]))
+        atomic_write_json(p["report"], run(a.params.bench, p["variant-dir"], p["hf"]))
 
     return stage_cli("bench", __doc__, flags, body, argv, variant=True)
 

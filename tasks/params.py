@@ -15,7 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from tasks.errors import StageError
-from tasks.paths import EVAL_TEXT
+from tasks.paths import CALIBRATION_TEXT, EVAL_TEXT
 
 # Names end up in folder names and DVC stage names (stage@model-variant).
 Name = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._]*(-[a-z0-9._]+)*$", max_length=64)]
@@ -100,18 +100,40 @@ METHOD_FIELDS = {
     "fp32": set(),
     "fp16": set(),
     "int8_dynamic": {"weight_type", "per_channel", "reduce_range"},
-    "int4": {"block_size", "symmetric", "accuracy_level"},
+    "int8_static": {"calibrate", "per_channel"},
+    "weight_only": {
+        "bits",
+        "algorithm",
+        "block_size",
+        "zero_point",
+        "accuracy_level",
+        "output_bits",
+        "output_algorithm",
+        "eight_bit_blocks",
+    },
 }
 
 
 class QuantizeConfig(Strict):
-    method: Literal["fp32", "fp16", "int8_dynamic", "int4"]
-    block_size: int = Field(32, ge=16, le=256, description="weights per int4 block (a power of two)")
-    symmetric: bool = True
-    accuracy_level: int | None = Field(None, ge=0, le=4)
+    method: Literal["fp32", "fp16", "int8_dynamic", "int8_static", "weight_only"]
+    # int8_dynamic and int8_static (onnxruntime's quantize_dynamic / quantize_static, QDQ)
     weight_type: Literal["QInt8", "QUInt8"] = "QUInt8"
     per_channel: bool = False
     reduce_range: bool = False
+    calibrate: Literal["minmax", "entropy", "percentile"] = "minmax"
+    # weight_only (MatMulNBits)
+    bits: Literal[4, 8] = 4
+    algorithm: Literal["rtn", "imatrix", "hqq", "gptq"] = Field(
+        "rtn", description="linear layers: round-to-nearest, importance-weighted range search, HQQ or GPTQ"
+    )
+    block_size: int = Field(32, ge=16, le=256, description="weights per block along K (a power of two)")
+    zero_point: Literal["none", "integer", "float"] = Field(
+        "float", description="none: symmetric; integer: uint zero points; float: exact asymmetric range"
+    )
+    accuracy_level: int = Field(4, ge=0, le=4, description="MatMulNBits compute: 0 float32, 4 int8 activations")
+    output_bits: Literal[4, 8, 32] = Field(4, description="the output layer and tied embedding; 32 keeps float")
+    output_algorithm: Literal["rtn", "imatrix"] = "rtn"
+    eight_bit_blocks: tuple[int, ...] = Field((), description="decoder blocks kept at 8 bits; -1 is the last")
 
     @model_validator(mode="after")
     def _settings_belong_to_method(self) -> QuantizeConfig:
@@ -121,7 +143,26 @@ class QuantizeConfig(Strict):
             raise ValueError(f"{', '.join(foreign)} {verb} not apply to method {self.method}; remove it")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size {self.block_size} is not a power of two; use 16, 32, 64, 128 or 256")
+        if self.algorithm == "hqq" and self.zero_point != "float":
+            raise ValueError("algorithm hqq solves for float zero points; set zero_point: float")
+        if self.algorithm == "gptq" and self.zero_point == "float":
+            raise ValueError("algorithm gptq works on an integer grid; set zero_point: integer or none")
+        if self.eight_bit_blocks and self.bits != 4:
+            raise ValueError("eight_bit_blocks mixes 8-bit blocks into a 4-bit model; it needs bits: 4")
         return self
+
+    @property
+    def needs_calibration(self) -> bool:
+        data_aware = self.algorithm in ("gptq", "imatrix") or self.output_algorithm == "imatrix"
+        return self.method == "int8_static" or (self.method == "weight_only" and data_aware)
+
+
+class CalibrationConfig(Strict):
+    """Text for data-aware quantization (GPTQ, static int8); keep it different from validate's text."""
+
+    text: Path = CALIBRATION_TEXT
+    samples: int = Field(8, ge=1)
+    tokens: int = Field(256, ge=16, description="tokens per sample")
 
 
 # ---- validate ----
@@ -166,6 +207,18 @@ class BenchConfig(Strict):
     baseline: bool = True  # also time PyTorch fp32 with its KV cache, in the same run
 
 
+# ---- report ----
+
+
+class ReportConfig(Strict):
+    """Which variant to recommend: the best by one measure among those within a perplexity budget."""
+
+    recommend_by: Literal["decode_tokens_per_second", "size_mb", "peak_rss_mb", "first_token_ms"] = (
+        "decode_tokens_per_second"
+    )
+    max_ppl_ratio: float = Field(1.07, ge=1.0)
+
+
 # ---- the whole file ----
 
 
@@ -174,9 +227,11 @@ class Params(Strict):
     export: ExportConfig = ExportConfig()
     optimize: OptimizeConfig = OptimizeConfig()
     quantize: Annotated[dict[Name, QuantizeConfig], Field(min_length=1)]
+    calibration: CalibrationConfig = CalibrationConfig()
     # `validate` would shadow pydantic's own method, hence the alias.
     validation: ValidateSection = Field(alias="validate")
     bench: BenchConfig = BenchConfig()
+    report: ReportConfig = ReportConfig()
 
     @model_validator(mode="after")
     def _every_variant_has_thresholds(self) -> Params:

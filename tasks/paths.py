@@ -9,6 +9,7 @@ PARAMS = Path("params.yaml")
 ARTIFACTS = Path("artifacts")
 REPORTS = Path("reports")
 EVAL_TEXT = Path("data/eval/GPL-3.txt")
+CALIBRATION_TEXT = Path("data/calibration/python-docs.txt")
 SOURCE_FILE = "source.json"  # provenance record inside an HF folder written by download
 
 
@@ -30,6 +31,12 @@ def reference_dir(model: str) -> Path:
 
 def variant_dir(model: str, variant: str) -> Path:
     return ARTIFACTS / model / "variants" / variant
+
+
+def validation_stamp(model: str, variant: str) -> Path:
+    from ortforge.manifest import validation_stamp as stamp_of
+
+    return stamp_of(variant_dir(model, variant))
 
 
 def variant_reports(model: str) -> Path:
@@ -54,3 +61,7 @@ def report_md(model: str) -> Path:
 
 def report_png(model: str) -> Path:
     return REPORTS / model / "report.png"
+
+
+def report_json(model: str) -> Path:
+    return REPORTS / model / "report.json"

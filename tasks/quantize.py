@@ -14,9 +14,9 @@ from pathlib import Path
 
 from ortforge import names
 from ortforge.manifest import write_manifest
-from tasks import onnx_io, paths
+from tasks import calibration, onnx_io, paths, weight_only
 from tasks.files import atomic_output_dir, folder_bytes, megabytes, read_json
-from tasks.params import QuantizeConfig
+from tasks.params import CalibrationConfig, QuantizeConfig
 from tasks.stage import StageError, stage_cli
 from tasks.versions import lineage_versions
 
@@ -32,7 +32,7 @@ class QuantizeResult:
     size_mb: float
 
 
-def quantize_graph(cfg: QuantizeConfig, model_dir: Path):
+def quantize_graph(cfg: QuantizeConfig, model_dir: Path, calibration: Calibration | None = None):
     """The ModelProto of the variant that cfg describes."""
     if cfg.method == "fp32":
         return onnx_io.load(model_dir)
@@ -41,52 +41,89 @@ def quantize_graph(cfg: QuantizeConfig, model_dir: Path):
 
         # Keeping float32 inputs and outputs lets the same runtime drive every variant.
         return convert_float_to_float16(onnx_io.load(model_dir), keep_io_types=True)
-    if cfg.method == "int8_dynamic":
-        return _int8_dynamic(cfg, model_dir)
-    return _int4(cfg, model_dir)
+    if cfg.method == "weight_only":
+        return _weight_only(cfg, model_dir, calibration)
+    return _onnxruntime_int8(cfg, model_dir, calibration)
 
 
-def _int8_dynamic(cfg: QuantizeConfig, model_dir: Path):
+@dataclass(frozen=True)
+class Calibration:
+    """What data-aware methods calibrate on: the text settings and the tokenizer that reads them."""
+
+    cfg: CalibrationConfig
+    tokenizer_json: Path
+
+    def chunks(self):
+        return calibration.token_chunks(self.cfg, self.tokenizer_json)
+
+
+def _weight_only(cfg: QuantizeConfig, model_dir: Path, calib: Calibration | None):
+    model = onnx_io.load(model_dir)
+    inputs = weight_only.calibrated_inputs(model, cfg)
+    hessians = calibration.input_hessians(model, inputs, calib.chunks()) if inputs else {}
+    return weight_only.quantize_model(model, cfg, hessians)
+
+
+def _onnxruntime_int8(cfg: QuantizeConfig, model_dir: Path, calib: Calibration | None):
+    """onnxruntime's own int8 recipes: quantize_dynamic, or quantize_static (QDQ) with calibration."""
     import tempfile
 
     import onnx
-    from onnxruntime.quantization import QuantType, quantize_dynamic
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_dynamic, quantize_static
 
+    # The transformer optimizer's graph lacks some type info the quantizers need.
+    options = {"DefaultTensorType": onnx.TensorProto.FLOAT}
     with tempfile.TemporaryDirectory() as scratch:
         out = Path(scratch) / names.MODEL_FILE
-        quantize_dynamic(
-            model_dir / names.MODEL_FILE,
-            out,
-            weight_type=QuantType[cfg.weight_type],
-            per_channel=cfg.per_channel,
-            reduce_range=cfg.reduce_range,
-            # The transformer optimizer's graph lacks some type info the quantizer needs.
-            extra_options={"DefaultTensorType": onnx.TensorProto.FLOAT},
-            use_external_data_format=True,
-        )
+        source = model_dir / names.MODEL_FILE
+        if cfg.method == "int8_dynamic":
+            quantize_dynamic(
+                source,
+                out,
+                weight_type=QuantType[cfg.weight_type],
+                per_channel=cfg.per_channel,
+                reduce_range=cfg.reduce_range,
+                extra_options=options,
+                use_external_data_format=True,
+            )
+        else:
+            model = onnx_io.load(model_dir, with_weights=False)
+            quantize_static(
+                source,
+                out,
+                calibration.data_reader(model, calib.chunks()),
+                quant_format=QuantFormat.QDQ,
+                per_channel=cfg.per_channel,
+                activation_type=QuantType.QUInt8,
+                weight_type=QuantType.QInt8,
+                op_types_to_quantize=["MatMul"],
+                calibrate_method={
+                    "minmax": CalibrationMethod.MinMax,
+                    "entropy": CalibrationMethod.Entropy,
+                    "percentile": CalibrationMethod.Percentile,
+                }[cfg.calibrate],
+                extra_options=options,
+                use_external_data_format=True,
+            )
         return onnx.load(str(out))
 
 
-def _int4(cfg: QuantizeConfig, model_dir: Path):
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-
-    quantizer = MatMulNBitsQuantizer(
-        onnx_io.load(model_dir),
-        bits=4,
-        block_size=cfg.block_size,
-        is_symmetric=cfg.symmetric,
-        accuracy_level=cfg.accuracy_level,
-    )
-    quantizer.process()
-    return quantizer.model.model
-
-
-def run(cfg: QuantizeConfig, model_dir: Path, hf_dir: Path, out_dir: Path, record: dict) -> QuantizeResult:
+def run(
+    cfg: QuantizeConfig,
+    model_dir: Path,
+    hf_dir: Path,
+    out_dir: Path,
+    record: dict,
+    calibration_cfg: CalibrationConfig | None = None,
+) -> QuantizeResult:
     """Write the variant; record (model, variant, tool versions) goes into its manifest."""
     if not (model_dir / names.MODEL_FILE).is_file():
         raise StageError(f"{model_dir} has no {names.MODEL_FILE}; run the optimize stage first")
+    calib = Calibration(calibration_cfg or CalibrationConfig(), hf_dir / "tokenizer.json")
+    if cfg.needs_calibration:
+        calib.chunks()  # a missing or short text fails here, before the slow part
     log.info("quantizing %s with %s", model_dir, cfg.model_dump(exclude_defaults=True))
-    graph = quantize_graph(cfg, model_dir)
+    graph = quantize_graph(cfg, model_dir, calib)
     with atomic_output_dir(out_dir) as tmp:
         onnx_io.save(graph, tmp)
         for name in COPIED_FROM_HF:
@@ -105,7 +142,14 @@ def main(argv: list[str] | None = None) -> int:
 
     def body(a):
         record = {"model": a.model, "variant": a.variant, "tool_versions": lineage_versions(a.pins_file)}
-        run(a.params.variant(a.variant), a.paths["optimized"], a.paths["hf"], a.paths["out"], record)
+        run(
+            a.params.variant(a.variant),
+            a.paths["optimized"],
+            a.paths["hf"],
+            a.paths["out"],
+            record,
+            a.params.calibration,
+        )
 
     return stage_cli("quantize", __doc__, flags, body, argv, variant=True)
 

@@ -1,122 +1,174 @@
-"""One table and one plot across a model's variants: quality, size and speed side by side.
+"""One table and one plot across a model's variants: quality against size and decode speed, the
+Pareto front, and the variant a rule in params.yaml recommends.
 
 Reads reports/<model>/variants/<variant>/{validate,bench}.json for the variants in params.yaml
-`quantize`; writes reports/<model>/report.md and reports/<model>/report.png.
+`quantize` and params.yaml `report`; writes reports/<model>/report.md, report.png and report.json
+(the recommendation and the front, for scripts).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tasks import paths
-from tasks.files import atomic_write_text, read_json
+from tasks.files import atomic_write_json, atomic_write_text, read_json
+from tasks.params import ReportConfig
 from tasks.stage import StageError, stage_cli
 
 log = logging.getLogger(__name__)
 
 BASELINE = "pytorch fp32 (KV cache)"
-COLUMNS = (
-    ("variant", "{}"),
-    ("valid", "{}"),
-    ("perplexity", "{:.2f}"),
-    ("ppl ratio", "{:.3f}"),
-    ("greedy match", "{}"),
-    ("size MB", "{:.1f}"),
-    ("decode tok/s", "{:.1f}"),
-    ("decode ms p50 / p95", "{}"),
-    ("first token ms p50", "{:.0f}"),
-    ("peak RSS MB", "{:.0f}"),
-    ("decode x baseline", "{:.2f}"),
-)
 
 
-def collect(reports_dir: Path, variants: list[str]) -> list[dict]:
-    rows = []
+@dataclass(frozen=True)
+class Row:
+    variant: str
+    perplexity: float
+    ppl_ratio: float
+    greedy: str
+    size_mb: float
+    decode_tokens_per_second: float
+    decode_ms_p50: float
+    decode_ms_p95: float
+    first_token_ms: float
+    peak_rss_mb: float
+    decode_speedup: float
+
+
+def _row(variant: str, validation: dict, bench: dict, speedup: float) -> Row:
+    return Row(
+        variant=variant,
+        perplexity=validation["perplexity"],
+        ppl_ratio=validation["ppl_ratio"],
+        greedy=f"{validation['greedy_tokens_matched']}/{validation['greedy_steps']}",
+        size_mb=bench["size_mb"],
+        decode_tokens_per_second=bench["decode_tokens_per_second"],
+        decode_ms_p50=bench["decode_ms_per_token_p50"],
+        decode_ms_p95=bench["decode_ms_per_token_p95"],
+        first_token_ms=bench["seconds_to_first_token_p50"] * 1e3,
+        peak_rss_mb=bench["peak_rss_mb"],
+        decode_speedup=speedup,
+    )
+
+
+def collect(reports_dir: Path, variants: list[str]) -> tuple[list[Row], Row | None, dict]:
+    """The variants' rows, the PyTorch baseline's row (from the first bench that has one), the workload."""
+    rows, baseline, workload = [], None, {}
     for variant in variants:
         folder = reports_dir / variant
         try:
             validation, bench = read_json(folder / "validate.json"), read_json(folder / "bench.json")
         except FileNotFoundError as error:
             raise StageError(f"{error.filename} is missing; run `dvc repro` to validate and bench {variant}") from None
-        rows.append({"variant": variant, "validation": validation, "bench": bench})
-    return rows
-
-
-def table_rows(rows: list[dict]) -> list[tuple]:
-    out = []
-    for row in rows:
-        v, b = row["validation"], row["bench"]
-        out.append(
-            (
-                row["variant"],
-                "yes" if v["passed"] else "NO",
-                v["perplexity"],
-                v["ppl_ratio"],
-                f"{v['greedy_tokens_matched']}/{v['greedy_steps']}",
-                b["size_mb"],
-                b["decode_tokens_per_second"],
-                f"{b['decode_ms_per_token_p50']:.1f} / {b['decode_ms_per_token_p95']:.1f}",
-                b["seconds_to_first_token_p50"] * 1e3,
-                b["peak_rss_mb"],
-                b.get("vs_baseline", {}).get("decode_speedup", float("nan")),
+        rows.append(_row(variant, validation, bench, bench.get("vs_baseline", {}).get("decode_speedup", float("nan"))))
+        workload = workload or {**bench["workload"], "tokens_scored": validation.get("tokens_scored")}
+        if baseline is None and "baseline" in bench:
+            reference = {**validation, "perplexity": validation["reference_perplexity"], "ppl_ratio": 1.0}
+            baseline = _row(
+                BASELINE, {**reference, "greedy_tokens_matched": "-", "greedy_steps": "-"}, bench["baseline"], 1.0
             )
-        )
-    baseline = next((r["bench"]["baseline"] for r in rows if "baseline" in r["bench"]), None)
-    if baseline:
-        reference_ppl = rows[0]["validation"]["reference_perplexity"]
-        out.append(
-            (
-                BASELINE,
-                "reference",
-                reference_ppl,
-                1.0,
-                "-",
-                baseline["size_mb"],
-                baseline["decode_tokens_per_second"],
-                f"{baseline['decode_ms_per_token_p50']:.1f} / {baseline['decode_ms_per_token_p95']:.1f}",
-                baseline["seconds_to_first_token_p50"] * 1e3,
-                baseline["peak_rss_mb"],
-                1.0,
-            )
-        )
-    return out
+    return rows, baseline, workload
 
 
-def markdown(model: str, rows: list[dict]) -> str:
-    header = "| " + " | ".join(name for name, _ in COLUMNS) + " |"
-    rule = "|" + "---|" * len(COLUMNS)
-    lines = [f"# {model}", "", header, rule]
-    for values in table_rows(rows):
-        cells = [fmt.format(value) for (_, fmt), value in zip(COLUMNS, values, strict=True)]
-        lines.append("| " + " | ".join(cells) + " |")
-    workload = rows[0]["bench"]["workload"]
+def dominates(a: Row, b: Row) -> bool:
+    """a is no worse than b in perplexity, size and decode speed, and better in at least one."""
+    no_worse = (
+        a.ppl_ratio <= b.ppl_ratio
+        and a.size_mb <= b.size_mb
+        and a.decode_tokens_per_second >= b.decode_tokens_per_second
+    )
+    better = (
+        a.ppl_ratio < b.ppl_ratio or a.size_mb < b.size_mb or a.decode_tokens_per_second > b.decode_tokens_per_second
+    )
+    return no_worse and better
+
+
+def pareto_front(rows: list[Row]) -> list[str]:
+    return [row.variant for row in rows if not any(dominates(other, row) for other in rows)]
+
+
+def recommend(rows: list[Row], cfg: ReportConfig) -> Row | None:
+    """The best variant by cfg.recommend_by among those within cfg.max_ppl_ratio."""
+    eligible = [row for row in rows if row.ppl_ratio <= cfg.max_ppl_ratio]
+    if not eligible:
+        return None
+    higher_is_better = cfg.recommend_by == "decode_tokens_per_second"
+    pick = max if higher_is_better else min
+    return pick(eligible, key=lambda row: getattr(row, cfg.recommend_by))
+
+
+def markdown(
+    model: str, rows: list[Row], baseline: Row | None, front: list[str], best: Row | None, cfg, workload
+) -> str:
+    header = (
+        "| variant | Pareto | perplexity | ppl ratio | greedy match | size MB | decode tok/s | "
+        "decode ms p50 / p95 | first token ms p50 | peak RSS MB | decode x baseline |"
+    )
+    lines = [f"# {model}", ""]
+    if best is not None:
+        lines += [
+            f"**Recommended: {best.variant}**: best {cfg.recommend_by} within perplexity x{cfg.max_ppl_ratio}.",
+            "",
+        ]
+    else:
+        lines += [f"No variant is within perplexity x{cfg.max_ppl_ratio}; none is recommended.", ""]
+    lines += [header, "|" + "---|" * 11]
+    for row in rows + ([baseline] if baseline else []):
+        mark = "yes" if row.variant in front else ("-" if row is baseline else "")
+        lines.append(
+            f"| {row.variant} | {mark} | {row.perplexity:.2f} | {row.ppl_ratio:.3f} | {row.greedy} | "
+            f"{row.size_mb:.1f} | {row.decode_tokens_per_second:.1f} | {row.decode_ms_p50:.1f} / "
+            f"{row.decode_ms_p95:.1f} | {row.first_token_ms:.0f} | {row.peak_rss_mb:.0f} | {row.decode_speedup:.2f} |"
+        )
     lines += [
         "",
-        f"Workload: {workload['prompt_tokens']}-token prompt, {workload['new_tokens']} new tokens, greedy, batch 1, "
-        f"{workload['warmup']} warm-up and {workload['repeats']} timed runs x {workload['rounds']} round(s), "
-        f"each engine in its own process. Perplexity over {rows[0]['validation'].get('tokens_scored', 'the')} "
-        f"tokens of the fixed text.",
+        f"Workload: {workload.get('prompt_tokens')}-token prompt, {workload.get('new_tokens')} new tokens, greedy, "
+        f"batch 1, {workload.get('warmup')} warm-up and {workload.get('repeats')} timed runs x "
+        f"{workload.get('rounds')} round(s), each engine in its own process. Perplexity over "
+        f"{workload.get('tokens_scored')} tokens of the fixed text. Pareto: no other variant is at least as good "
+        f"in perplexity, size and decode speed and better in one.",
     ]
     return "\n".join(lines) + "\n"
 
 
-def plot(model: str, rows: list[dict], path: Path) -> None:
+def plot(model: str, rows: list[Row], baseline: Row | None, front: list[str], best: Row | None, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    values = table_rows(rows)
-    labels = [v[0] for v in values]
-    panels = (("size on disk (MB)", 5), ("decode tokens/s", 6), ("perplexity", 2))
-    figure, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8))
-    for axis, (title, column) in zip(axes, panels, strict=True):
-        bars = axis.bar(range(len(labels)), [v[column] for v in values], color=["#3b75af"] * len(rows) + ["#999999"])
-        axis.bar_label(bars, fmt="%.1f", fontsize=8)
-        axis.set_title(title)
-        axis.set_xticks(range(len(labels)), [label.replace(" (", "\n(") for label in labels], fontsize=8)
-    figure.suptitle(f"{model}: variants against {BASELINE} (grey)")
+    figure, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
+    for axis, attribute, label in (
+        (axes[0], "size_mb", "size on disk (MB, log scale)"),
+        (axes[1], "decode_tokens_per_second", "decode tokens/s"),
+    ):
+        for row in rows:
+            on_front = row.variant in front
+            axis.scatter(getattr(row, attribute), row.ppl_ratio, s=60, color="#3b75af" if on_front else "#bbbbbb")
+            axis.annotate(
+                row.variant,
+                (getattr(row, attribute), row.ppl_ratio),
+                fontsize=8,
+                xytext=(4, 3),
+                textcoords="offset points",
+            )
+        front_rows = sorted((r for r in rows if r.variant in front), key=lambda r: getattr(r, attribute))
+        axis.plot([getattr(r, attribute) for r in front_rows], [r.ppl_ratio for r in front_rows], color="#3b75af", lw=1)
+        if best is not None:
+            axis.scatter(getattr(best, attribute), best.ppl_ratio, s=260, marker="*", color="#d62728", zorder=3)
+        if baseline is not None:
+            axis.scatter(getattr(baseline, attribute), 1.0, s=60, marker="s", color="#555555")
+            axis.annotate(
+                BASELINE, (getattr(baseline, attribute), 1.0), fontsize=8, xytext=(4, -10), textcoords="offset points"
+            )
+        axis.set_xlabel(label)
+        axis.grid(alpha=0.3)
+    axes[0].set_xscale("log")
+    axes[0].set_ylabel("perplexity / fp32 perplexity (lower is better)")
+    title = f"{model}: blue = Pareto front" + (f", star = recommended ({best.variant})" if best else "")
+    figure.suptitle(title)
     figure.tight_layout()
     tmp = path.with_suffix(".tmp.png")
     figure.savefig(tmp, dpi=110)
@@ -124,20 +176,33 @@ def plot(model: str, rows: list[dict], path: Path) -> None:
     tmp.replace(path)
 
 
-def run(model: str, variants: list[str], reports_dir: Path, md_path: Path, png_path: Path) -> str:
-    rows = collect(reports_dir, variants)
-    text = markdown(model, rows)
-    atomic_write_text(md_path, text)
-    plot(model, rows, png_path)
-    log.info("wrote %s and %s", md_path, png_path)
-    return text
+def run(model: str, variants: list[str], cfg: ReportConfig, reports_dir: Path, out: dict[str, Path]) -> dict:
+    rows, baseline, workload = collect(reports_dir, variants)
+    front, best = pareto_front(rows), recommend(rows, cfg)
+    text = markdown(model, rows, baseline, front, best, cfg, workload)
+    atomic_write_text(out["md"], text)
+    plot(model, rows, baseline, front, best, out["png"])
+    summary = {
+        "recommended": best.variant if best else None,
+        "rule": cfg.model_dump(),
+        "pareto_front": front,
+        "variants": {row.variant: asdict(row) for row in rows},
+    }
+    atomic_write_json(out["json"], summary)
+    log.info("wrote %s, %s and %s; recommended %s", out["md"], out["png"], out["json"], summary["recommended"])
+    return summary
 
 
 def main(argv: list[str] | None = None) -> int:
-    flags = {"reports": paths.variant_reports, "md": paths.report_md, "png": paths.report_png}
+    flags = {
+        "reports": paths.variant_reports,
+        "md": paths.report_md,
+        "png": paths.report_png,
+        "json": paths.report_json,
+    }
 
     def body(a):
-        run(a.model, list(a.params.quantize), a.paths["reports"], a.paths["md"], a.paths["png"])
+        run(a.model, list(a.params.quantize), a.params.report, a.paths["reports"], a.paths)
 
     return stage_cli("report", __doc__, flags, body, argv)
 

@@ -2,8 +2,10 @@
 
 Reads artifacts/<model>/variants/<variant>, artifacts/<model>/reference and params.yaml
 `validate.eval` and `validate.thresholds.<variant>`; writes reports/<model>/variants/<variant>/
-validate.json (a DVC metric) whether or not the variant passes, then exits non-zero with one message
-naming every failed check, its value and its threshold.
+validate.json (a DVC metric) whether or not the variant passes. A passing variant gets the stamp
+artifacts/<model>/variants/<variant>.valid.json (bench and applications require it); a failing one
+gets none, and the stage exits non-zero with one message naming every failed check, its value and
+its threshold.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ortforge.manifest import sha256_file, validation_stamp
+from ortforge.names import MANIFEST_FILE
 from tasks import paths
 from tasks.evaluation import Reference, cached_decode_gap, full_pass_logits, greedy, matching_prefix, perplexity
 from tasks.files import atomic_write_json
@@ -78,7 +82,7 @@ def checks(figures: dict, limits: Thresholds) -> list[Check]:
 def run(
     cfg: EvalConfig, limits: Thresholds, variant_dir: Path, reference_dir: Path, report: Path, variant: str
 ) -> dict:
-    """Measure, write the report, and raise ValidationFailed if any check fails."""
+    """Measure and write the report; on pass stamp the variant valid, else raise ValidationFailed."""
     if not (variant_dir / "model.onnx").is_file():
         raise StageError(
             f"{variant_dir} has no model.onnx; run the quantize stage first (dvc repro quantize@<model>-{variant})"
@@ -96,17 +100,31 @@ def run(
         },
     )
     summary = ", ".join(f"{c.name}={c.value:.4g}" for c in results)
+    stamp = validation_stamp(variant_dir)
+    stamp.unlink(missing_ok=True)
     if failed:
         raise ValidationFailed(
             f"variant {variant} failed validation: {'; '.join(c.describe() for c in failed)} "
             f"(thresholds: params.yaml validate.thresholds.{variant}; report: {report})"
         )
-    log.info("variant %s passed: %s, perplexity %.3f", variant, summary, figures["perplexity"])
+    atomic_write_json(
+        stamp,
+        {
+            "variant": variant,
+            "passed": True,
+            "manifest_sha256": sha256_file(variant_dir / MANIFEST_FILE),
+            "perplexity": figures["perplexity"],
+            "ppl_ratio": figures["ppl_ratio"],
+            "thresholds": limits.model_dump(),
+        },
+    )
+    log.info("variant %s passed: %s, perplexity %.3f; stamped %s", variant, summary, figures["perplexity"], stamp)
     return figures
 
 
 def main(argv: list[str] | None = None) -> int:
     flags = {"variant-dir": paths.variant_dir, "reference": paths.reference_dir, "report": paths.validate_json}
+    # The stamp lands beside the variant folder (paths.validation_stamp); it has no flag of its own.
 
     def body(a):
         section = a.params.validation

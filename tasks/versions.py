@@ -21,7 +21,7 @@ STAGE_TOOLS: dict[str, tuple[str, ...]] = {
     "export": ("torch", "transformers", "optimum", "optimum-onnx", "onnx"),
     "optimize": ("onnxruntime", "onnx"),
     "reference": ("torch", "transformers", "tokenizers", "numpy"),
-    "quantize": ("onnxruntime", "onnx", "onnx-ir", "numpy"),
+    "quantize": ("onnxruntime", "onnx", "onnx-ir", "numpy", "torch", "tokenizers"),
     "validate": ("onnxruntime", "tokenizers", "numpy"),
     "bench": ("onnxruntime", "torch", "transformers", "tokenizers", "numpy"),
     "report": ("matplotlib",),

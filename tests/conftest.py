@@ -42,6 +42,17 @@ for variable in ("GIT_AUTHOR", "GIT_COMMITTER"):  # tests commit in throwaway re
     os.environ.setdefault(f"{variable}_NAME", "ortforge tests")
     os.environ.setdefault(f"{variable}_EMAIL", "tests@ortforge.invalid")
 
+WEIGHT_ONLY = {
+    "method": "weight_only",
+    "bits": 4,
+    "algorithm": "rtn",
+    "block_size": 32,
+    "zero_point": "float",
+    "accuracy_level": 4,
+    "output_bits": 4,
+    "output_algorithm": "rtn",
+    "eight_bit_blocks": [],
+}
 TINY_PARAMS = {
     "models": {
         "tiny": {
@@ -54,9 +65,10 @@ TINY_PARAMS = {
     "optimize": {"model_type": "gpt2", "opt_level": 0},
     "quantize": {
         "fp32": {"method": "fp32"},
-        "int8": {"method": "int8_dynamic", "weight_type": "QUInt8", "per_channel": False, "reduce_range": False},
-        "int4": {"method": "int4", "block_size": 32, "symmetric": True, "accuracy_level": 4},
+        "int8": {**WEIGHT_ONLY, "bits": 8, "zero_point": "none", "output_bits": 8},
+        "int4": WEIGHT_ONLY,
     },
+    "calibration": {"text": str(REPO / "data" / "calibration" / "python-docs.txt"), "samples": 2, "tokens": 64},
     "validate": {
         "eval": {
             "text": str(EVAL_TEXT),
@@ -76,6 +88,7 @@ TINY_PARAMS = {
             "int4": {"max_logit_diff": 1.0, "ppl_ratio": 1.1, "greedy_match": 0.0, "kv_max_diff": 1.0},
         },
     },
+    "report": {"recommend_by": "decode_tokens_per_second", "max_ppl_ratio": 1.1},
     "bench": {
         "text": str(EVAL_TEXT),
         "prompt_tokens": 16,

@@ -24,14 +24,18 @@ METRICS = {
 
 
 @pytest.fixture(scope="module")
-def validated(built, tmp_path_factory):
+def validated(built, params, tmp_path_factory):
+    """The int4 variant after the validate stage stamped it."""
+    from tasks import validate
+
+    section = params.validation
     report = tmp_path_factory.mktemp("bench") / "validate.json"
-    report.write_text(json.dumps({"passed": True}))
-    return report
+    validate.run(section.eval, section.thresholds["int4"], built["int4"], built["reference"], report, "int4")
+    return built["int4"]
 
 
 def test_run_reports_variant_and_baseline_metrics(built, params, validated):
-    result = bench.run(params.bench, built["int4"], validated, built["hf"])
+    result = bench.run(params.bench, validated, built["hf"])
     assert METRICS <= set(result) and METRICS <= set(result["baseline"])
     assert result["seconds_to_first_token_p50"] <= result["seconds_to_first_token_p95"]
     assert result["decode_ms_per_token_p50"] <= result["decode_ms_per_token_p95"]
@@ -49,9 +53,21 @@ def test_timed_generation_times_every_decode_step(built):
 
 
 def test_run_refuses_unvalidated_variant(built, tmp_path):
-    failed = tmp_path / "validate.json"
-    failed.write_text(json.dumps({"passed": False}))
-    with pytest.raises(StageError, match="has not passed validation"):
-        bench.run(BenchConfig(), built["int4"], failed, built["hf"])
-    with pytest.raises(StageError, match="has not passed validation"):
-        bench.run(BenchConfig(), built["int4"], tmp_path / "absent.json", built["hf"])
+    import shutil
+
+    unstamped = tmp_path / "int4"
+    shutil.copytree(built["int4"], unstamped)
+    with pytest.raises(StageError, match="has no validation stamp int4.valid.json.*only validated variants"):
+        bench.run(BenchConfig(), unstamped, built["hf"])
+
+
+def test_run_refuses_variant_changed_after_validation(built, validated, tmp_path):
+    import shutil
+
+    changed = tmp_path / "int4"
+    shutil.copytree(validated, changed)
+    shutil.copy(validated.with_name("int4.valid.json"), tmp_path / "int4.valid.json")
+    manifest = json.loads((changed / "manifest.json").read_text())
+    (changed / "manifest.json").write_text(json.dumps({**manifest, "variant": "edited"}))
+    with pytest.raises(StageError, match="does not vouch for"):
+        bench.run(BenchConfig(), changed, built["hf"])

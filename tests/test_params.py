@@ -34,10 +34,14 @@ def test_load_params_accepts_the_repository_file():
 
 def test_repository_params_set_every_key_explicitly():
     # DVC tracks params.yaml values, not code defaults: a key left to its default could change
-    # without any stage rerunning. Method-specific quantize keys are exempt (they are rejected
-    # where they do not apply).
+    # without any stage rerunning. Each variant sets every key of its method (the others are
+    # rejected where they do not apply).
+    from tasks.params import METHOD_FIELDS
+
     params = load_params(REPO / "params.yaml")
     missing = [key for key in unset_keys(params) if not key.startswith("quantize.")]
+    for name, variant in params.quantize.items():
+        missing += [f"quantize.{name}.{f}" for f in METHOD_FIELDS[variant.method] - variant.model_fields_set]
     assert missing == []
 
 
@@ -49,7 +53,13 @@ BAD_PARAMS = [
     (lambda p: p.update(quantise={}), "unknown key `quantise`; did you mean `quantize`?"),
     (lambda p: p["quantize"].update(int2={"method": "int2"}), "quantize.int2.method: Input should be 'fp32'"),
     (lambda p: p["quantize"]["int4"].update(block_size=48), "block_size 48 is not a power of two"),
-    (lambda p: p["quantize"]["int8"].update(block_size=32), "block_size does not apply to method int8_dynamic"),
+    (lambda p: p["quantize"]["fp32"].update(bits=4), "bits does not apply to method fp32"),
+    (lambda p: p["quantize"]["int4"].update(bits=3), "quantize.int4.bits: Input should be 4 or 8"),
+    (lambda p: p["quantize"]["int4"].update(algorithm="hqq", zero_point="integer"), "hqq solves for float zero points"),
+    (lambda p: p["quantize"]["int4"].update(algorithm="gptq"), "gptq works on an integer grid"),
+    (lambda p: p["quantize"]["int8"].update(eight_bit_blocks=[0]), "eight_bit_blocks mixes 8-bit blocks"),
+    (lambda p: p["calibration"].update(samples=0), "calibration.samples: Input should be greater than or equal to 1"),
+    (lambda p: p["report"].update(recommend_by="vibes"), "report.recommend_by: Input should be"),
     (lambda p: p["bench"].update(repeats=0), "bench.repeats: Input should be greater than or equal to 1"),
     (lambda p: p["bench"].update(repeats="many"), "bench.repeats: Input should be a valid integer"),
     (lambda p: p["validate"]["thresholds"].pop("int4"), "validate.thresholds has no entry for variant(s) ['int4']"),
@@ -89,7 +99,7 @@ def test_load_params_reports_missing_file_and_bad_yaml(tmp_path):
 
 def test_params_lookup_names_known_choices():
     params = Params.model_validate(yaml.safe_load((REPO / "params.yaml").read_text()))
-    with pytest.raises(StageError, match="unknown variant `int3`; params.yaml `quantize` has: fp32, int8, int4"):
+    with pytest.raises(StageError, match="unknown variant `int3`; params.yaml `quantize` has: fp32, fp16, int8, "):
         params.variant("int3")
     with pytest.raises(StageError, match="unknown model `gpt5`"):
         params.model("gpt5")

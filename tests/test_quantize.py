@@ -25,7 +25,45 @@ def test_run_writes_self_contained_variant(built, variant):
 def test_variants_use_their_quantized_operators(built):
     ops = {v: onnx_io.op_counts(onnx_io.load(built[v], with_weights=False)) for v in ("fp32", "int8", "int4")}
     assert "MatMulNBits" in ops["int4"] and "MatMulNBits" not in ops["fp32"]
-    assert "MatMulInteger" in ops["int8"] or "DynamicQuantizeMatMul" in ops["int8"]
+    graph = onnx_io.load(built["int8"], with_weights=False)
+    assert {a.i for n in graph.graph.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "bits"} == {8}
+
+
+@pytest.mark.parametrize(
+    "cfg, operator",
+    [
+        (QuantizeConfig(method="int8_dynamic"), "DynamicQuantizeMatMul"),
+        (QuantizeConfig(method="int8_static", calibrate="minmax"), "QuantizeLinear"),
+        (QuantizeConfig(method="int8_static", calibrate="percentile"), "QuantizeLinear"),
+    ],
+    ids=["dynamic", "static-minmax", "static-percentile"],
+)
+def test_onnxruntime_int8_recipes_build_running_variants(built, tmp_path, cfg, operator):
+    from tasks.params import CalibrationConfig
+    from tests.conftest import REPO
+
+    calibration = CalibrationConfig(text=REPO / "data/calibration/python-docs.txt", samples=2, tokens=32)
+    result = quantize.run(cfg, built["optimized"], built["hf"], tmp_path / "v", {}, calibration)
+    ops = onnx_io.op_counts(onnx_io.load(result.out_dir, with_weights=False))
+    assert operator in ops or "MatMulInteger" in ops
+    assert TextGenerator(result.out_dir).generate("the", 3)
+
+
+def test_run_checks_calibration_text_before_quantizing(built, tmp_path):
+    from tasks.params import CalibrationConfig
+
+    short = tmp_path / "short.txt"
+    short.write_text("too short")
+    with pytest.raises(StageError, match="short.txt has .* tokens, fewer than samples x tokens"):
+        quantize.run(
+            QuantizeConfig(method="int8_static"),
+            built["optimized"],
+            built["hf"],
+            tmp_path / "v",
+            {},
+            CalibrationConfig(text=short),
+        )
+    assert not (tmp_path / "v").exists()
 
 
 def test_manifest_detects_a_modified_file(built, tmp_path):

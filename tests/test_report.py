@@ -1,4 +1,4 @@
-"""report: one markdown table and one PNG across variants, with the baseline row."""
+"""report: the table, the Pareto front, the recommendation by the rule in params, and the plot."""
 
 from __future__ import annotations
 
@@ -7,32 +7,42 @@ import json
 import pytest
 
 from tasks import report
+from tasks.params import ReportConfig
 from tasks.stage import StageError
 
+# variant: (ppl ratio, size MB, decode tokens/s)
+FIGURES = {
+    "fp32": (1.000, 540.0, 50.0),
+    "int8": (1.004, 146.0, 90.0),
+    "int4": (1.054, 86.0, 120.0),
+    "int4_bad": (1.260, 81.0, 110.0),  # smallest, so on the front, but outside the budget
+    "slow8": (1.010, 200.0, 60.0),  # worse than int8 everywhere: dominated
+}
 
-def fake_reports(folder, variants):
-    for i, variant in enumerate(variants):
+
+def fake_reports(folder, figures=FIGURES):
+    for variant, (ratio, size, speed) in figures.items():
         (folder / variant).mkdir(parents=True)
         validation = {
             "passed": True,
-            "perplexity": 20.0 + i,
-            "ppl_ratio": 1.0 + i / 20,
-            "reference_perplexity": 20.0,
-            "greedy_tokens_matched": 32 - i,
+            "perplexity": 19.6 * ratio,
+            "ppl_ratio": ratio,
+            "reference_perplexity": 19.6,
+            "greedy_tokens_matched": 20,
             "greedy_steps": 32,
             "tokens_scored": 2048,
         }
         timings = {
-            "size_mb": 500.0 / (i + 1),
-            "decode_tokens_per_second": 50.0 * (i + 1),
-            "decode_ms_per_token_p50": 20.0 / (i + 1),
-            "decode_ms_per_token_p95": 25.0 / (i + 1),
+            "size_mb": size,
+            "decode_tokens_per_second": speed,
+            "decode_ms_per_token_p50": 1000 / speed,
+            "decode_ms_per_token_p95": 1100 / speed,
             "seconds_to_first_token_p50": 0.1,
-            "peak_rss_mb": 800.0 - 100 * i,
+            "peak_rss_mb": 300.0,
         }
         bench = {
             **timings,
-            "vs_baseline": {"decode_speedup": 2.0 * (i + 1)},
+            "vs_baseline": {"decode_speedup": speed / 25.0},
             "baseline": {**timings, "decode_tokens_per_second": 25.0, "size_mb": 538.0},
             "workload": {"prompt_tokens": 128, "new_tokens": 64, "warmup": 1, "repeats": 3, "rounds": 1},
         }
@@ -40,20 +50,48 @@ def fake_reports(folder, variants):
         (folder / variant / "bench.json").write_text(json.dumps(bench))
 
 
-def test_run_writes_table_and_plot(tmp_path):
-    fake_reports(tmp_path / "variants", ["fp32", "int4"])
-    text = report.run("tiny", ["fp32", "int4"], tmp_path / "variants", tmp_path / "r.md", tmp_path / "r.png")
-    lines = text.splitlines()
-    assert lines[0] == "# tiny"
-    rows = [line for line in lines if line.startswith("| ") and "---" not in line]
-    assert [row.split(" | ")[0] for row in rows] == ["| variant", "| fp32", "| int4", f"| {report.BASELINE}"]
-    assert "| int4 | yes | 21.00 | 1.050 | 31/32 | 250.0 | 100.0 | 10.0 / 12.5 | 100 | 700 | 4.00 |" in text
-    assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert (tmp_path / "r.md").read_text() == text
+@pytest.fixture
+def outputs(tmp_path):
+    return {"md": tmp_path / "r.md", "png": tmp_path / "r.png", "json": tmp_path / "r.json"}
 
 
-def test_run_names_the_missing_report(tmp_path):
-    fake_reports(tmp_path / "variants", ["fp32"])
+def test_run_marks_front_and_recommends_by_rule(tmp_path, outputs):
+    fake_reports(tmp_path / "variants")
+    summary = report.run("tiny", list(FIGURES), ReportConfig(), tmp_path / "variants", outputs)
+    assert summary["pareto_front"] == ["fp32", "int8", "int4", "int4_bad"]
+    assert summary["recommended"] == "int4"  # fastest within x1.07
+    text = outputs["md"].read_text()
+    assert "**Recommended: int4**" in text
+    assert "| int4 | yes | 20.66 | 1.054 | 20/32 | 86.0 | 120.0 | 8.3 / 9.2 | 100 | 300 | 4.80 |" in text
+    assert "| slow8 |  |" in text and f"| {report.BASELINE} | - |" in text
+    assert outputs["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads(outputs["json"].read_text())["recommended"] == "int4"
+
+
+@pytest.mark.parametrize(
+    "rule, expected",
+    [
+        (ReportConfig(recommend_by="size_mb", max_ppl_ratio=1.07), "int4"),
+        (ReportConfig(recommend_by="decode_tokens_per_second", max_ppl_ratio=1.01), "int8"),
+        (ReportConfig(recommend_by="size_mb", max_ppl_ratio=1.3), "int4_bad"),
+        (ReportConfig(recommend_by="decode_tokens_per_second", max_ppl_ratio=1.0), "fp32"),
+    ],
+)
+def test_recommend_follows_the_rule(tmp_path, rule, expected):
+    fake_reports(tmp_path / "variants")
+    rows, _, _ = report.collect(tmp_path / "variants", list(FIGURES))
+    assert report.recommend(rows, rule).variant == expected
+
+
+def test_run_says_when_nothing_is_within_budget(tmp_path, outputs):
+    fake_reports(tmp_path / "variants", {"int4_bad": FIGURES["int4_bad"]})
+    summary = report.run("tiny", ["int4_bad"], ReportConfig(), tmp_path / "variants", outputs)
+    assert summary["recommended"] is None
+    assert "none is recommended" in outputs["md"].read_text()
+
+
+def test_run_names_the_missing_report(tmp_path, outputs):
+    fake_reports(tmp_path / "variants", {"fp32": FIGURES["fp32"]})
     with pytest.raises(StageError, match="int8/validate.json is missing; run `dvc repro`"):
-        report.run("tiny", ["fp32", "int8"], tmp_path / "variants", tmp_path / "r.md", tmp_path / "r.png")
-    assert not (tmp_path / "r.md").exists()
+        report.run("tiny", ["fp32", "int8"], ReportConfig(), tmp_path / "variants", outputs)
+    assert not outputs["md"].exists()

@@ -9,6 +9,7 @@ import shutil
 import numpy as np
 import pytest
 
+from ortforge.manifest import check_validated, validation_stamp
 from tasks import validate
 from tasks.evaluation import Reference
 from tasks.params import Thresholds
@@ -44,6 +45,7 @@ def test_run_passes_variants_within_thresholds(built, params, tmp_path, variant)
         "greedy_match",
         "kv_max_diff",
     }
+    assert check_validated(built[variant])["variant"] == variant
     if variant == "fp32":
         assert figures["max_logit_diff"] < 1e-3 and figures["greedy_match"] == 1.0
     else:  # quantization must change the numbers, or the variant is not what it claims
@@ -77,6 +79,7 @@ def test_run_gate_stops_a_corrupted_variant(built, params, tmp_path):
     assert "validate.thresholds.int4" in message
     written = json.loads(report.read_text())
     assert written["passed"] is False
+    assert not validation_stamp(broken).exists()  # never marked valid
     failed = {name for name, check in written["checks"].items() if not check["passed"]}
     assert failed and all(name in message for name in failed)
 

@@ -1,0 +1,97 @@
+"""Calibration data for data-aware quantization: token chunks of a fixed text fed to the decoder
+graph as prefill inputs (with an empty KV cache), and the statistics taken from them.
+
+GPTQ needs, for each linear layer, H = sum(x x^T) over its inputs; static int8 needs an onnxruntime
+CalibrationDataReader. Both come from the same chunks, so the two methods see the same data.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from ortforge import names
+from tasks import onnx_io
+from tasks.errors import StageError
+from tasks.params import CalibrationConfig
+
+log = logging.getLogger(__name__)
+
+
+def token_chunks(cfg: CalibrationConfig, tokenizer_json: Path) -> list[np.ndarray]:
+    from tokenizers import Tokenizer
+
+    if not cfg.text.is_file():
+        raise StageError(f"calibration text {cfg.text} does not exist; fix calibration.text in params.yaml")
+    ids = Tokenizer.from_file(str(tokenizer_json)).encode(cfg.text.read_text(encoding="utf-8")).ids
+    needed = cfg.samples * cfg.tokens
+    if len(ids) < needed:
+        raise StageError(
+            f"calibration text {cfg.text} has {len(ids)} tokens, fewer than samples x tokens = {needed}; "
+            f"lower calibration.samples or calibration.tokens"
+        )
+    return [np.asarray(ids[i * cfg.tokens : (i + 1) * cfg.tokens], dtype=np.int64) for i in range(cfg.samples)]
+
+
+def prefill_feed(model, ids: np.ndarray) -> dict[str, np.ndarray]:
+    """Graph inputs for a prefill of ids with an empty KV cache, shaped from the graph's own inputs."""
+    feed = {names.INPUT_IDS: ids.reshape(1, -1)}
+    for graph_input in model.graph.input:
+        dims = [d.dim_value for d in graph_input.type.tensor_type.shape.dim]
+        if graph_input.name.startswith("past_key_values."):
+            feed[graph_input.name] = np.zeros((1, dims[1], 0, dims[3]), dtype=np.float32)
+    inputs = {i.name for i in model.graph.input}
+    if names.ATTENTION_MASK in inputs:
+        feed[names.ATTENTION_MASK] = np.ones((1, len(ids)), dtype=np.int64)
+    if names.POSITION_IDS in inputs:
+        feed[names.POSITION_IDS] = np.arange(len(ids), dtype=np.int64).reshape(1, -1)
+    return feed
+
+
+def data_reader(model, chunks: list[np.ndarray]):
+    """An onnxruntime CalibrationDataReader over the chunks (for quantize_static)."""
+    from onnxruntime.quantization import CalibrationDataReader
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self._feeds: Iterator[dict] = iter([])
+            self.rewind()
+
+        def get_next(self):
+            return next(self._feeds, None)
+
+        def rewind(self):
+            self._feeds = iter([prefill_feed(model, ids) for ids in chunks])
+
+    return Reader()
+
+
+def input_hessians(model, tensor_names: list[str], chunks: list[np.ndarray]) -> dict[str, np.ndarray]:
+    """2 / n * sum(x x^T) over every row x of each named tensor (GPTQ's H), in float64."""
+    import copy
+
+    import onnx
+    import onnxruntime as ort
+
+    augmented = copy.deepcopy(model)
+    known = {o.name for o in augmented.graph.output}
+    for name in tensor_names:
+        if name not in known:
+            augmented.graph.output.append(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None))
+    sums: dict[str, np.ndarray] = {}
+    rows = 0
+    with tempfile.TemporaryDirectory() as scratch:
+        onnx_io.save(augmented, Path(scratch))
+        session = ort.InferenceSession(str(Path(scratch) / names.MODEL_FILE), providers=["CPUExecutionProvider"])
+        for index, ids in enumerate(chunks):
+            log.info("calibration pass %d/%d", index + 1, len(chunks))
+            outputs = session.run(tensor_names, prefill_feed(model, ids))
+            for name, value in zip(tensor_names, outputs, strict=True):
+                x = value.reshape(-1, value.shape[-1]).astype(np.float64)
+                sums[name] = sums.get(name, 0) + x.T @ x
+            rows += len(ids)
+    return {name: total * (2 / rows) for name, total in sums.items()}

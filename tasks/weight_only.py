@@ -1,0 +1,406 @@
+"""Weight-only block quantization: a decoder's linear layers become onnxruntime MatMulNBits nodes,
+and a tied output layer and token embedding share one set of codes (MatMulNBits for the logits,
+GatherBlockQuantized for the embedding lookup), so the vocabulary matrix is stored once.
+
+Why a rewrite of our own around onnxruntime's operators and algorithms: onnxruntime's quantizer
+rounds asymmetric zero points to integers (on SmolLM2 that alone costs +17% perplexity), its float
+zero points (HQQ) have no fast CPU kernel (10x slower decode here), and it stores a tied vocabulary
+matrix twice. A float zero point z is exact when written as a symmetric MatMulNBits plus a per-block
+offset: w = s*(q - mid) + s*(mid - z), and x.W = MatMulNBits(x) + blocksum(x) . R with
+R[b, n] = s*(mid - z). The offset term is one small MatMul per layer; decode speed is unchanged.
+On weights that came from a GGUF Q4_1 file (the default model) this reproduces them exactly.
+
+Codes come from round-to-nearest, onnxruntime's HQQ solver, or onnxruntime's GPTQ (with Hessians from
+calibration text). Scales and offsets are stored as float16 and cast to float32 in the graph (folded
+at session load), which halves their size on disk.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from tasks.params import QuantizeConfig
+
+log = logging.getLogger(__name__)
+
+LAYER_INDEX = re.compile(r"/layers\.(\d+)/")
+
+
+@dataclass(frozen=True)
+class BlockCodes:
+    """W [K, N] as codes q [N, K], scales s and zero points z [N, K // block]: w = s * (q - z)."""
+
+    codes: np.ndarray
+    scales: np.ndarray
+    zeros: np.ndarray
+    bits: int
+    block: int
+
+    def dequantize(self) -> np.ndarray:
+        n, k = self.codes.shape
+        q = self.codes.reshape(n, k // self.block, self.block).astype(np.float64)
+        w = (q - self.zeros[..., None]) * self.scales[..., None].astype(np.float64)
+        return w.reshape(n, k).T.astype(np.float32)
+
+    @property
+    def mid(self) -> int:
+        return 2 ** (self.bits - 1)
+
+
+def _blocks(weights: np.ndarray, block: int) -> np.ndarray:
+    """[K, N] -> [N, K // block, block] in float64."""
+    k, n = weights.shape
+    return weights.T.reshape(n, k // block, block).astype(np.float64)
+
+
+def _codes(blocks: np.ndarray, scales: np.ndarray, zeros: np.ndarray, bits: int) -> np.ndarray:
+    q = np.round(blocks / scales[..., None] + zeros[..., None])
+    return np.clip(q, 0, 2**bits - 1).astype(np.uint8).reshape(blocks.shape[0], -1)
+
+
+def _grid_fit(lo: np.ndarray, hi: np.ndarray, bits: int, zero_point: str) -> tuple[np.ndarray, np.ndarray]:
+    """Scales and zero points that put [lo, hi] on the grid.
+
+    none: onnxruntime's symmetric convention, the largest magnitude maps to -mid exactly;
+    integer: the range widened to hold zero, zero point rounded; float: the range exactly.
+    """
+    levels = 2**bits - 1
+    if zero_point == "none":
+        signed_max = np.where(-lo > hi, lo, hi)
+        scales = np.where(signed_max != 0, signed_max / -(2 ** (bits - 1)), 1.0)
+        return scales, np.full_like(scales, 2 ** (bits - 1))
+    if zero_point == "integer":
+        lo, hi = np.minimum(lo, 0), np.maximum(hi, 0)  # zero must be representable
+        scales = np.where(hi > lo, (hi - lo) / levels, 1.0)
+        return scales, np.clip(np.round(-lo / scales), 0, levels)
+    scales = np.where(hi > lo, (hi - lo) / levels, 1.0)
+    return scales, -lo / scales
+
+
+def round_to_nearest(weights: np.ndarray, bits: int, block: int, zero_point: str) -> BlockCodes:
+    """Min/max round-to-nearest. zero_point: none (symmetric), integer, or float (exact range)."""
+    blocks = _blocks(weights, block)
+    scales, zeros = _grid_fit(blocks.min(-1), blocks.max(-1), bits, zero_point)
+    scales = scales.astype(np.float16).astype(np.float64)  # stored as float16; quantize against that
+    return BlockCodes(_codes(blocks, scales, zeros, bits), scales.astype(np.float32), zeros, bits, block)
+
+
+def importance_search(
+    weights: np.ndarray, importance: np.ndarray, bits: int, block: int, zero_point: str, steps: int = 20
+) -> BlockCodes:
+    """Per block, shrink the quantization range to minimize sum(importance_k * (w_k - q_k)^2).
+
+    importance is the mean squared activation of each input channel on calibration text (llama.cpp's
+    "importance matrix"): errors on channels that carry large activations cost more. Columns are
+    processed in slices to bound memory on vocabulary-sized matrices.
+    """
+    k, n = weights.shape
+    codes, scales, zeros = np.empty((n, k), np.uint8), np.empty((n, k // block)), np.empty((n, k // block))
+    h = importance.reshape(1, k // block, block)
+    for start in range(0, n, 4096):
+        blocks = _blocks(weights[:, start : start + 4096], block)
+        lo0, hi0 = blocks.min(-1), blocks.max(-1)
+        best = np.full(lo0.shape, np.inf)
+        for shrink in np.linspace(1.0, 0.7, steps + 1):
+            s, z = _grid_fit(lo0 * shrink, hi0 * shrink, bits, zero_point)
+            s = s.astype(np.float16).astype(np.float64)
+            q = np.clip(np.round(blocks / s[..., None] + z[..., None]), 0, 2**bits - 1)
+            err = (h * ((q - z[..., None]) * s[..., None] - blocks) ** 2).sum(-1)
+            better = err < best
+            best = np.where(better, err, best)
+            end = start + blocks.shape[0]
+            scales[start:end] = np.where(better, s, scales[start:end])
+            zeros[start:end] = np.where(better, z, zeros[start:end])
+            codes[start:end] = np.where(np.repeat(better, block, -1), q.reshape(q.shape[0], -1), codes[start:end])
+    return BlockCodes(codes, scales.astype(np.float32), zeros, bits, block)
+
+
+def half_quadratic(weights: np.ndarray, bits: int, block: int) -> BlockCodes:
+    """onnxruntime's HQQ solver (float zero points)."""
+    import torch
+    from onnxruntime.quantization.matmul_nbits_quantizer import HQQWeightOnlyQuantConfig, HQQWeightOnlyQuantizer
+
+    solver = HQQWeightOnlyQuantizer(HQQWeightOnlyQuantConfig(block_size=block, bits=bits))
+    codes, scales, zeros = solver.quantize_internal(
+        torch.from_numpy(np.ascontiguousarray(weights.T)), bits=bits, group_size=block, round_zero=False
+    )
+    return BlockCodes(
+        codes.numpy().astype(np.uint8), scales.numpy().astype(np.float32), zeros.numpy().astype(np.float64), bits, block
+    )
+
+
+def gptq(weights: np.ndarray, hessian: np.ndarray, bits: int, block: int, zero_point: str) -> BlockCodes:
+    """onnxruntime's GPTQ; its fake-quantized result is re-expressed as codes on the same kind of grid."""
+    from onnxruntime.quantization.neural_compressor.weight_only import gptq as ort_gptq
+
+    scheme = "sym" if zero_point == "none" else "asym"
+    adjusted = ort_gptq(weights.copy(), hessian.copy(), num_bits=bits, group_size=block, scheme=scheme)
+    return round_to_nearest(np.asarray(adjusted, dtype=np.float32), bits, block, zero_point)
+
+
+@dataclass(frozen=True)
+class Linear:
+    node: object  # the MatMul NodeProto
+    weight_name: str
+    layer: int | None
+
+
+def linear_layers(model, block: int) -> list[Linear]:
+    """MatMuls with a constant 2-D weight whose K splits into blocks, except the output layer."""
+    initializers = {t.name: t for t in model.graph.initializer}
+    found = []
+    for node in model.graph.node:
+        weight = initializers.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) > 1 else None
+        if weight is None or len(weight.dims) != 2 or weight.dims[0] % block or node.output[0] == "logits":
+            continue
+        match = LAYER_INDEX.search(node.name)
+        found.append(Linear(node, weight.name, int(match.group(1)) if match else None))
+    return found
+
+
+class GraphWriter:
+    """Adds initializers and nodes to a model, naming them uniquely after their origin."""
+
+    def __init__(self, model):
+        self.model = model
+        self.block_sums: dict[tuple[str, int], str] = {}
+
+    def constant(self, name: str, array: np.ndarray) -> str:
+        from onnx import numpy_helper
+
+        self.model.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        return name
+
+    def half_constant(self, name: str, array: np.ndarray) -> str:
+        """A float32 value stored as float16 and cast back (folded into a float32 initializer at load)."""
+        from onnx import TensorProto, helper
+
+        stored = self.constant(name + "_fp16", np.asarray(array, dtype=np.float16))
+        self.model.graph.node.append(
+            helper.make_node("Cast", [stored], [name], to=TensorProto.FLOAT, name=name + "/Cast")
+        )
+        return name
+
+    def block_sum(self, x: str, blocks: int, block: int) -> str:
+        """[batch, seq, K] -> [batch, seq, K // block]: sums over each block of K, shared per input."""
+        from onnx import helper
+
+        key = (x, block)
+        if key not in self.block_sums:
+            stem = f"{x}/block_sum{block}"
+            shape = self.constant(stem + "/shape", np.array([0, 0, blocks, block], dtype=np.int64))
+            axes = self.constant(stem + "/axes", np.array([-1], dtype=np.int64))
+            self.model.graph.node.extend(
+                [
+                    helper.make_node("Reshape", [x, shape], [stem + "/blocks"], name=stem + "/Reshape"),
+                    helper.make_node(
+                        "ReduceSum", [stem + "/blocks", axes], [stem], keepdims=0, name=stem + "/ReduceSum"
+                    ),
+                ]
+            )
+            self.block_sums[key] = stem
+        return self.block_sums[key]
+
+
+def pack(codes: np.ndarray, bits: int, block: int) -> np.ndarray:
+    """[N, K] codes -> MatMulNBits' B layout [N, K // block, block * bits // 8] (two 4-bit codes a byte)."""
+    n, k = codes.shape
+    if bits == 4:
+        codes = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return codes.reshape(n, k // block, block * bits // 8).astype(np.uint8)
+
+
+def pack_zero_points(zeros: np.ndarray, bits: int) -> np.ndarray:
+    z = np.round(zeros).astype(np.uint8)
+    if bits == 4:
+        if z.shape[1] % 2:
+            z = np.pad(z, ((0, 0), (0, 1)), constant_values=8)
+        z = z[:, 0::2] | (z[:, 1::2] << 4)
+    return z
+
+
+def is_integer_grid(codes: BlockCodes) -> bool:
+    """Zero points MatMulNBits can store as unsigned integers of `bits` bits."""
+    zeros = codes.zeros
+    return bool(np.all(zeros == np.round(zeros)) and np.all((zeros >= 0) & (zeros < 2**codes.bits)))
+
+
+@dataclass(frozen=True)
+class StoredCodes:
+    """Names of the tensors holding a weight's codes, scales and (optional) zero points."""
+
+    packed: str
+    scales: str
+    zero_points: str | None
+
+
+def write_matmul(
+    writer: GraphWriter, x: str, output: str, stem: str, codes: BlockCodes, accuracy_level: int
+) -> StoredCodes:
+    """MatMulNBits for x.W into output; float zero points become the block-offset correction."""
+    from onnx import helper
+
+    n, k = codes.codes.shape
+    packed = writer.constant(stem + "/q", pack(codes.codes, codes.bits, codes.block))
+    scales = writer.half_constant(stem + "/scales", codes.scales)
+    inputs = [x, packed, scales]
+    symmetric = bool(np.all(codes.zeros == codes.mid))
+    exact_integer = not symmetric and is_integer_grid(codes)
+    zero_points = None
+    if exact_integer:
+        zero_points = writer.constant(stem + "/zero_points", pack_zero_points(codes.zeros, codes.bits))
+        inputs.append(zero_points)
+    attrs = {"K": k, "N": n, "bits": codes.bits, "block_size": codes.block, "accuracy_level": accuracy_level}
+    offset_needed = not symmetric and not exact_integer
+    main = output + "/nbits" if offset_needed else output
+    node = helper.make_node("MatMulNBits", inputs, [main], domain="com.microsoft", name=stem + "/MatMulNBits", **attrs)
+    writer.model.graph.node.append(node)
+    if offset_needed:
+        offsets = (codes.scales.astype(np.float64) * (codes.mid - codes.zeros)).T  # [blocks, N]
+        r = writer.half_constant(stem + "/offsets", offsets)
+        sums = writer.block_sum(x, k // codes.block, codes.block)
+        writer.model.graph.node.extend(
+            [
+                helper.make_node("MatMul", [sums, r], [output + "/offset"], name=stem + "/offset/MatMul"),
+                helper.make_node("Add", [main, output + "/offset"], [output], name=stem + "/offset/Add"),
+            ]
+        )
+    return StoredCodes(packed, scales, zero_points)
+
+
+@dataclass(frozen=True)
+class OutputLayer:
+    """The logits MatMul and its weight [K, vocab]; when tied, the embedding table and its Gather."""
+
+    node: object
+    weight: np.ndarray
+    weight_initializer: str  # the table (tied) or the output layer's own weight
+    transpose: object | None  # optimum's run-time Transpose of a tied table
+    gather: object | None  # the embedding lookup sharing the table
+
+
+def output_layer(model) -> OutputLayer | None:
+    """Find the output layer; optimum computes a tied one at run time as Transpose(embedding)."""
+    from onnx import numpy_helper
+
+    producers = {out: node for node in model.graph.node for out in node.output}
+    initializers = {t.name: t for t in model.graph.initializer}
+    logits = producers.get("logits")
+    if logits is None or logits.op_type != "MatMul":
+        return None
+    transpose = producers.get(logits.input[1])
+    if transpose is not None and transpose.op_type == "Transpose" and transpose.input[0] in initializers:
+        table = transpose.input[0]
+        weight = numpy_helper.to_array(initializers[table]).T
+        gather = next((n for n in model.graph.node if n.op_type == "Gather" and n.input[0] == table), None)
+        return OutputLayer(logits, np.ascontiguousarray(weight), table, transpose, gather)
+    if logits.input[1] in initializers:
+        weight = numpy_helper.to_array(initializers[logits.input[1]])
+        return OutputLayer(logits, weight, logits.input[1], None, None)
+    return None
+
+
+def write_embedding(writer: GraphWriter, gather, stored: StoredCodes, codes: BlockCodes) -> None:
+    """GatherBlockQuantized reading the output layer's codes: rows of the vocab matrix are embeddings."""
+    from onnx import helper
+
+    n, k = codes.codes.shape
+    stem = gather.name or "embedding"
+    shape = writer.constant(stem + "/rows_shape", np.array([n, k * codes.bits // 8], dtype=np.int64))
+    inputs = [stem + "/rows", gather.input[1], stored.scales] + ([stored.zero_points] if stored.zero_points else [])
+    writer.model.graph.node.extend(
+        [
+            helper.make_node("Reshape", [stored.packed, shape], [stem + "/rows"], name=stem + "/Reshape"),
+            helper.make_node(
+                "GatherBlockQuantized",
+                inputs,
+                list(gather.output),
+                domain="com.microsoft",
+                name=stem + "/GatherBlockQuantized",
+                gather_axis=0,
+                quantize_axis=1,
+                block_size=codes.block,
+                bits=codes.bits,
+            ),
+        ]
+    )
+
+
+def layer_bits(cfg: QuantizeConfig, layer: int | None, num_layers: int) -> int:
+    eight_bit = {i % num_layers for i in cfg.eight_bit_blocks}
+    return 8 if layer is not None and layer in eight_bit else cfg.bits
+
+
+def quantize_codes(
+    algorithm: str, weights: np.ndarray, bits: int, block: int, zero_point: str, hessian: np.ndarray | None
+) -> BlockCodes:
+    if algorithm == "hqq":
+        return half_quadratic(weights, bits, block)
+    if algorithm == "gptq":
+        return gptq(weights, hessian, bits, block, zero_point)
+    if algorithm == "imatrix":
+        return importance_search(weights, np.diag(hessian), bits, block, zero_point)
+    return round_to_nearest(weights, bits, block, zero_point)
+
+
+def quantize_output_layer(
+    writer: GraphWriter, head: OutputLayer, cfg: QuantizeConfig, hessian: np.ndarray | None
+) -> None:
+    # GatherBlockQuantized takes integer zero points only, so the shared codes use them.
+    zero_point = "none" if cfg.zero_point == "none" else "integer"
+    codes = quantize_codes(cfg.output_algorithm, head.weight, cfg.output_bits, cfg.block_size, zero_point, hessian)
+    stored = write_matmul(writer, head.node.input[0], "logits", "lm_head", codes, cfg.accuracy_level)
+    graph = writer.model.graph
+    graph.node.remove(head.node)
+    if head.transpose is not None:
+        graph.node.remove(head.transpose)
+    if head.gather is not None:
+        write_embedding(writer, head.gather, stored, codes)
+        graph.node.remove(head.gather)
+    graph.initializer.remove(next(t for t in graph.initializer if t.name == head.weight_initializer))
+
+
+def calibrated_inputs(model, cfg: QuantizeConfig) -> list[str]:
+    """The layer inputs whose statistics (H = sum x x^T) the chosen algorithms need."""
+    wanted = []
+    if cfg.algorithm in ("gptq", "imatrix"):
+        wanted += [linear.node.input[0] for linear in linear_layers(model, cfg.block_size)]
+    head = output_layer(model)
+    if head is not None and cfg.output_algorithm == "imatrix":
+        wanted.append(head.node.input[0])
+    return sorted(set(wanted))
+
+
+def quantize_model(model, cfg: QuantizeConfig, hessians: dict[str, np.ndarray] | None = None):
+    """Rewrite model in place: linears to MatMulNBits; unless output_bits is 32, the output layer
+    (and a tied embedding) to codes shared by MatMulNBits and GatherBlockQuantized. Returns model.
+
+    hessians maps each name from calibrated_inputs() to its H."""
+    from onnx import numpy_helper
+    from onnxruntime.transformers.onnx_model import OnnxModel
+
+    hessians = hessians or {}
+    writer = GraphWriter(model)
+    linears = linear_layers(model, cfg.block_size)
+    num_layers = 1 + max((lin.layer for lin in linears if lin.layer is not None), default=0)
+    initializers = {t.name: t for t in model.graph.initializer}
+    for index, linear in enumerate(linears):
+        weights = numpy_helper.to_array(initializers[linear.weight_name])
+        bits = layer_bits(cfg, linear.layer, num_layers)
+        hessian = hessians.get(linear.node.input[0])
+        codes = quantize_codes(cfg.algorithm, weights, bits, cfg.block_size, cfg.zero_point, hessian)
+        stem = linear.node.name or linear.weight_name
+        write_matmul(writer, linear.node.input[0], linear.node.output[0], stem, codes, cfg.accuracy_level)
+        model.graph.node.remove(linear.node)
+        model.graph.initializer.remove(initializers[linear.weight_name])
+        if (index + 1) % 30 == 0 or index + 1 == len(linears):
+            log.info("quantized %d/%d linear layers", index + 1, len(linears))
+    head = output_layer(model)
+    if head is not None and cfg.output_bits != 32:
+        quantize_output_layer(writer, head, cfg, hessians.get(head.node.input[0]))
+    OnnxModel(model).topological_sort()
+    return model

@@ -1,0 +1,158 @@
+"""weight_only: the codes reproduce what they claim, the graph computes exactly what the codes say
+(offset form and tied embedding included), and each algorithm and mixed precision takes effect."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+from onnx import numpy_helper
+
+from ortforge import Decoder, create_session
+from tasks import onnx_io, weight_only
+from tasks.evaluation import full_pass_logits
+from tasks.params import QuantizeConfig
+
+IDS = np.array([5, 17, 99, 250, 3, 7, 11, 200, 42, 8])
+
+
+def q4_1_grid(rng, k=64, n=48, block=32) -> np.ndarray:
+    """Weights as a GGUF Q4_1 file holds them: per block, d * q + m with float16 d and m."""
+    blocks = k // block
+    d = rng.uniform(0.001, 0.05, (blocks, 1, n)).astype(np.float16).astype(np.float32)
+    m = rng.uniform(-0.3, 0.1, (blocks, 1, n)).astype(np.float16).astype(np.float32)
+    q = rng.integers(0, 16, (blocks, block, n))
+    q[:, 0, :], q[:, 1, :] = 0, 15  # the quantizer puts each block's min and max on the ends
+    return (d * q + m).reshape(k, n)
+
+
+def test_float_zero_points_reproduce_a_q4_1_grid_exactly():
+    weights = q4_1_grid(np.random.default_rng(0))
+    codes = weight_only.round_to_nearest(weights, bits=4, block=32, zero_point="float")
+    np.testing.assert_allclose(codes.dequantize(), weights, atol=1e-6)
+    integer = weight_only.round_to_nearest(weights, bits=4, block=32, zero_point="integer")
+    assert np.abs(integer.dequantize() - weights).max() > 1e-3  # what rounding the zero point costs
+
+
+@pytest.mark.parametrize("zero_point", ["none", "integer", "float"])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_round_to_nearest_error_is_within_half_a_step(zero_point, bits):
+    weights = np.random.default_rng(1).standard_normal((64, 40)).astype(np.float32)
+    codes = weight_only.round_to_nearest(weights, bits=bits, block=32, zero_point=zero_point)
+    step = np.abs(np.repeat(codes.scales, 32, axis=1).T)
+    # Symmetric grids are one level short on one side ([-mid, mid - 1]), so values there clip; the
+    # float16 scale adds up to 2**-11 of the code's distance from zero (0.07 step at 8 bits).
+    allowed = step * ((1.0 if zero_point == "none" else 0.5) + 0.07)
+    assert np.all(np.abs(codes.dequantize() - weights) <= allowed)
+    assert codes.codes.max() < 2**bits
+
+
+def test_importance_search_lowers_weighted_error():
+    rng = np.random.default_rng(2)
+    weights = rng.standard_normal((64, 256)).astype(np.float32) * np.where(rng.random((64, 1)) < 0.1, 8.0, 1.0)
+    importance = rng.uniform(0.01, 1.0, 64) ** 4
+    plain = weight_only.round_to_nearest(weights, bits=4, block=32, zero_point="integer")
+    searched = weight_only.importance_search(weights, importance, bits=4, block=32, zero_point="integer")
+
+    def weighted_error(codes):
+        return float((importance[:, None] * (codes.dequantize() - weights) ** 2).sum())
+
+    assert weighted_error(searched) < weighted_error(plain)
+
+
+def weights_swapped_for(model, cfg: QuantizeConfig):
+    """The float model with every weight replaced by what its codes dequantize to."""
+    model = copy.deepcopy(model)
+    initializers = {t.name: t for t in model.graph.initializer}
+    for linear in weight_only.linear_layers(model, cfg.block_size):
+        w = numpy_helper.to_array(initializers[linear.weight_name])
+        codes = weight_only.round_to_nearest(w, cfg.bits, cfg.block_size, cfg.zero_point)
+        initializers[linear.weight_name].CopyFrom(numpy_helper.from_array(codes.dequantize(), linear.weight_name))
+    head = weight_only.output_layer(model)
+    zero_point = "none" if cfg.zero_point == "none" else "integer"
+    table = weight_only.round_to_nearest(head.weight, cfg.output_bits, cfg.block_size, zero_point).dequantize()
+    initializers[head.weight_initializer].CopyFrom(numpy_helper.from_array(table.T.copy(), head.weight_initializer))
+    return model
+
+
+def logits_of(model, folder):
+    folder.mkdir()
+    onnx_io.save(model, folder)
+    return full_pass_logits(Decoder(create_session(folder)), IDS)
+
+
+@pytest.mark.parametrize("zero_point", ["float", "integer", "none"])
+def test_quantized_graph_computes_what_its_codes_say(built, tmp_path, zero_point):
+    cfg = QuantizeConfig(method="weight_only", zero_point=zero_point, accuracy_level=0)
+    optimized = onnx_io.load(built["optimized"])
+    quantized = weight_only.quantize_model(copy.deepcopy(optimized), cfg)
+    expected = logits_of(weights_swapped_for(optimized, cfg), tmp_path / "simulated")
+    got = logits_of(quantized, tmp_path / "quantized")
+    np.testing.assert_allclose(got, expected, atol=2e-3)
+    assert np.abs(got - logits_of(optimized, tmp_path / "float")).max() > 1e-3  # it did quantize
+
+
+def test_tied_vocabulary_is_stored_once(built):
+    model = weight_only.quantize_model(onnx_io.load(built["optimized"]), QuantizeConfig(method="weight_only"))
+    vocab, hidden = 384, 64
+    vocab_sized = {t.name for t in model.graph.initializer if t.dims and t.dims[0] == vocab}
+    assert vocab_sized == {"lm_head/q", "lm_head/scales_fp16", "lm_head/zero_points"}
+    assert not [t for t in model.graph.initializer if np.prod(t.dims) >= vocab * hidden and t.name != "lm_head/q"]
+    ops = {n.op_type for n in model.graph.node}
+    assert {"GatherBlockQuantized", "MatMulNBits"} <= ops
+    assert "/model/embed_tokens/Gather" not in {n.name for n in model.graph.node}
+    gather = next(n for n in model.graph.node if n.op_type == "GatherBlockQuantized")
+    reshape = next(n for n in model.graph.node if n.output[0] == gather.input[0])
+    assert reshape.input[0] == "lm_head/q"
+
+
+def test_offset_form_only_for_float_zero_points(built):
+    optimized = onnx_io.load(built["optimized"])
+    for zero_point, offsets in (("float", True), ("integer", False), ("none", False)):
+        model = weight_only.quantize_model(
+            copy.deepcopy(optimized), QuantizeConfig(method="weight_only", zero_point=zero_point)
+        )
+        names = [n.name for n in model.graph.node]
+        assert any(name.endswith("/offset/MatMul") for name in names) is offsets, zero_point
+
+
+def test_eight_bit_blocks_and_output_bits(built):
+    cfg = QuantizeConfig(method="weight_only", output_bits=8, eight_bit_blocks=(0, -1))
+    model = weight_only.quantize_model(onnx_io.load(built["optimized"]), cfg)
+    bits = {
+        n.name: next(a.i for a in n.attribute if a.name == "bits")
+        for n in model.graph.node
+        if n.op_type == "MatMulNBits"
+    }
+    assert bits["lm_head/MatMulNBits"] == 8
+    first = [b for name, b in bits.items() if "/layers.0/" in name]
+    last = [b for name, b in bits.items() if "/layers.1/" in name]  # the tiny model has 2 blocks
+    assert set(first) == {8} and set(last) == {8}
+
+
+def test_output_bits_32_keeps_the_float_output_layer(built):
+    model = weight_only.quantize_model(
+        onnx_io.load(built["optimized"]), QuantizeConfig(method="weight_only", output_bits=32)
+    )
+    logits = next(n for n in model.graph.node if n.output[0] == "logits")
+    assert logits.op_type == "MatMul" and any(n.op_type == "Gather" for n in model.graph.node)
+
+
+@pytest.mark.parametrize("algorithm, zero_point", [("hqq", "float"), ("gptq", "integer"), ("imatrix", "integer")])
+def test_data_aware_and_hqq_algorithms_build_running_models(built, tmp_path, algorithm, zero_point):
+    from tasks import calibration
+    from tasks.params import CalibrationConfig
+    from tests.conftest import REPO
+
+    cfg = QuantizeConfig(method="weight_only", algorithm=algorithm, zero_point=zero_point, output_algorithm="imatrix")
+    model = onnx_io.load(built["optimized"])
+    chunks = calibration.token_chunks(
+        CalibrationConfig(text=REPO / "data/calibration/python-docs.txt", samples=2, tokens=32),
+        built["hf"] / "tokenizer.json",
+    )
+    hessians = calibration.input_hessians(model, weight_only.calibrated_inputs(model, cfg), chunks)
+    assert all(h.shape[0] == h.shape[1] and np.all(np.diag(h) >= 0) for h in hessians.values())
+    quantized = weight_only.quantize_model(model, cfg, hessians)
+    logits = logits_of(quantized, tmp_path / algorithm)
+    assert np.isfinite(logits).all()
