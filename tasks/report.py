@@ -140,9 +140,9 @@ def plot(model: str, rows: list[Row], baseline: Row | None, front: list[str], be
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(1, 2, figsize=(12, 4.8), sharey=True)
-    for axis, attribute, label in (
-        (axes[0], "size_mb", "size on disk (MB, log scale)"),
-        (axes[1], "decode_tokens_per_second", "decode tokens/s"),
+    for axis, attribute, label, larger_is_better in (
+        (axes[0], "size_mb", "size on disk (MB, log scale)", False),
+        (axes[1], "decode_tokens_per_second", "decode tokens/s", True),
     ):
         for row in rows:
             on_front = row.variant in front
@@ -154,8 +154,16 @@ def plot(model: str, rows: list[Row], baseline: Row | None, front: list[str], be
                 xytext=(4, 3),
                 textcoords="offset points",
             )
-        front_rows = sorted((r for r in rows if r.variant in front), key=lambda r: getattr(r, attribute))
-        axis.plot([getattr(r, attribute) for r in front_rows], [r.ppl_ratio for r in front_rows], color="#3b75af", lw=1)
+        # The line is this panel's own two-measure front; the blue dots are the three-measure front.
+        trade = sorted(rows, key=lambda r: -getattr(r, attribute) if larger_is_better else getattr(r, attribute))
+        line, best_ratio = [], float("inf")
+        for row in trade:
+            if row.ppl_ratio < best_ratio:
+                line.append(row)
+                best_ratio = row.ppl_ratio
+        axis.step(
+            [getattr(r, attribute) for r in line], [r.ppl_ratio for r in line], where="post", color="#3b75af", lw=1
+        )
         if best is not None:
             axis.scatter(getattr(best, attribute), best.ppl_ratio, s=260, marker="*", color="#d62728", zorder=3)
         if baseline is not None:
@@ -167,7 +175,8 @@ def plot(model: str, rows: list[Row], baseline: Row | None, front: list[str], be
         axis.grid(alpha=0.3)
     axes[0].set_xscale("log")
     axes[0].set_ylabel("perplexity / fp32 perplexity (lower is better)")
-    title = f"{model}: blue = Pareto front" + (f", star = recommended ({best.variant})" if best else "")
+    title = f"{model}: blue = Pareto front (ppl, size, speed); line = this panel's trade-off"
+    title += f"; star = recommended ({best.variant})" if best else ""
     figure.suptitle(title)
     figure.tight_layout()
     tmp = path.with_suffix(".tmp.png")
