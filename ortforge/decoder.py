@@ -1,9 +1,20 @@
-"""One forward step of a KV-cache decoder graph: feed new tokens plus the cache, get logits and the
-grown cache. Knows the graph only by the names in ortforge.names."""
+"""One forward step of a KV-cache decoder graph through onnxruntime I/O binding: feed new tokens,
+get logits, and the cache grows without passing through Python.
+
+Two cache layouts, recorded in the model's metadata by the quantize stage (names.KV_LAYOUT_KEY):
+- shared: GroupQueryAttention graphs (onnxruntime-genai's builder) read and write one buffer per
+  layer; past and present are bound to the same memory and new keys and values are written in
+  place, so nothing is copied per token. Buffers are allocated once and only grow (doubling) when
+  a sequence outgrows them.
+- chained: graphs that concatenate past and new (optimum's export) return a grown present; its
+  onnxruntime values are bound as the next step's past directly, never converted to numpy.
+
+The cache belongs to the decoder: a new empty_cache() starts a new sequence.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnxruntime as ort
@@ -11,21 +22,19 @@ import onnxruntime as ort
 from ortforge import names
 
 ORT_TO_NUMPY = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+INITIAL_CAPACITY = 256
 
 
-@dataclass(frozen=True)
+@dataclass
 class KVCache:
-    """past_key_values.{i}.key|value in layer order, each (batch, kv_heads, length, head_dim)."""
+    """How many tokens the current sequence holds, and (chained layout) its present tensors."""
 
-    tensors: tuple[np.ndarray, ...]
-
-    @property
-    def length(self) -> int:
-        return int(self.tensors[0].shape[2])
+    length: int = 0
+    values: list = field(default_factory=list)
 
 
 class Decoder:
-    def __init__(self, session: ort.InferenceSession):
+    def __init__(self, session: ort.InferenceSession, head_dim: int | None = None, layout: str | None = None):
         self.session = session
         inputs = {i.name: i for i in session.get_inputs()}
         self.num_layers = sum(1 for name in inputs if name.startswith("past_key_values.") and name.endswith(".key"))
@@ -34,26 +43,79 @@ class Decoder:
                 f"graph inputs {sorted(inputs)} are not a KV-cache decoder: expected "
                 f"{names.INPUT_IDS} and {names.past_key(0)}; export with task text-generation-with-past"
             )
+        metadata = session.get_modelmeta().custom_metadata_map
         key = inputs[names.past_key(0)]
-        self.kv_heads, self.head_dim = int(key.shape[1]), int(key.shape[3])
+        self.kv_heads = int(key.shape[1])
+        self.head_dim = _head_dim(key, metadata, head_dim)
         self.kv_dtype = ORT_TO_NUMPY[key.type]
+        self.shared = (layout or metadata.get(names.KV_LAYOUT_KEY)) == names.KV_SHARED
         self.uses_position_ids = names.POSITION_IDS in inputs
         self.uses_attention_mask = names.ATTENTION_MASK in inputs
-        self._past_names = names.past_names(self.num_layers)
-        self._output_names = [names.LOGITS, *names.present_names(self.num_layers)]
+        self._past = names.past_names(self.num_layers)
+        self._present = names.present_names(self.num_layers)
+        # Outputs are bound logits first; get_outputs() keeps that order, and re-binding a name each
+        # run (so onnxruntime allocates its new shape) keeps its place. Shared presents are ours.
+        self._binding = session.io_binding()
+        self._binding.bind_output(names.LOGITS)
+        if not self.shared:
+            for present in self._present:
+                self._binding.bind_output(present)
+        self._capacity = 0
+        self._ones = np.ones((1, 0), dtype=np.int64)
+        self._arrays: list[np.ndarray] = []
+        empty = np.zeros((1, self.kv_heads, 0, self.head_dim), self.kv_dtype)
+        self._empty = ort.OrtValue.ortvalue_from_numpy(empty)
 
     def empty_cache(self) -> KVCache:
-        shape = (1, self.kv_heads, 0, self.head_dim)
-        return KVCache(tuple(np.zeros(shape, dtype=self.kv_dtype) for _ in self._past_names))
+        return KVCache(0, [] if self.shared else [self._empty] * len(self._past))
 
-    def forward(self, token_ids: np.ndarray | list[int], cache: KVCache) -> tuple[np.ndarray, KVCache]:
+    def forward(self, token_ids, cache: KVCache) -> tuple[np.ndarray, KVCache]:
         """Logits (sequence, vocab) for the new tokens, and the cache extended by them."""
-        ids = np.asarray(token_ids, dtype=np.int64).reshape(1, -1)
-        start, count = cache.length, ids.shape[1]
-        feed = {names.INPUT_IDS: ids, **dict(zip(self._past_names, cache.tensors, strict=True))}
+        ids = np.ascontiguousarray(np.asarray(token_ids, dtype=np.int64).reshape(1, -1))
+        start, total = cache.length, cache.length + ids.shape[1]
+        self._reserve(total, cache.length)
+        binding = self._binding
+        binding.bind_cpu_input(names.INPUT_IDS, ids)
         if self.uses_attention_mask:
-            feed[names.ATTENTION_MASK] = np.ones((1, start + count), dtype=np.int64)
+            binding.bind_cpu_input(names.ATTENTION_MASK, self._ones[:, :total])
         if self.uses_position_ids:
-            feed[names.POSITION_IDS] = np.arange(start, start + count, dtype=np.int64).reshape(1, -1)
-        logits, *present = self.session.run(self._output_names, feed)
-        return logits[0].astype(np.float32, copy=False), KVCache(tuple(present))
+            positions = np.arange(start, total, dtype=np.int64).reshape(1, -1)
+            binding.bind_cpu_input(names.POSITION_IDS, positions)
+        binding.bind_output(names.LOGITS)
+        if not self.shared:
+            for past, value, present in zip(self._past, cache.values, self._present, strict=True):
+                binding.bind_ortvalue_input(past, value)
+                binding.bind_output(present)
+        self.session.run_with_iobinding(binding)
+        outputs = binding.get_outputs()
+        return outputs[0].numpy()[0], KVCache(total, [] if self.shared else list(outputs[1:]))
+
+    def _reserve(self, total: int, keep: int) -> None:
+        """Make room for total tokens: the mask always, the shared buffers when they are used."""
+        if total <= self._capacity:
+            return
+        capacity = max(INITIAL_CAPACITY, self._capacity)
+        while capacity < total:
+            capacity *= 2
+        self._ones = np.ones((1, capacity), dtype=np.int64)
+        if self.shared:
+            shape = (1, self.kv_heads, capacity, self.head_dim)
+            grown = [np.zeros(shape, self.kv_dtype) for _ in self._past]
+            for new, old in zip(grown, self._arrays, strict=False):
+                new[:, :, :keep] = old[:, :, :keep]
+            self._arrays = grown  # the OrtValues below borrow these arrays' memory
+            for past, present, array in zip(self._past, self._present, grown, strict=True):
+                value = ort.OrtValue.ortvalue_from_numpy(array)
+                self._binding.bind_ortvalue_input(past, value)
+                self._binding.bind_ortvalue_output(present, value)
+        self._capacity = capacity
+
+
+def _head_dim(key, metadata: dict, given: int | None) -> int:
+    if isinstance(key.shape[3], int):
+        return key.shape[3]
+    if names.HEAD_DIM_KEY in metadata:
+        return int(metadata[names.HEAD_DIM_KEY])
+    if given is None:
+        raise ValueError(f"{key.name} has a symbolic head size {key.shape[3]!r} and the model no {names.HEAD_DIM_KEY}")
+    return given

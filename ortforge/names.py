@@ -17,7 +17,12 @@ TOTAL_SEQUENCE = "total_sequence_length"
 MODEL_FILE = "model.onnx"
 RUNTIME_CONFIG_FILE = "runtime.json"
 MANIFEST_FILE = "manifest.json"
-VALIDATION_SUFFIX = ".valid.json"  # <variant>.valid.json beside the variant folder, written only on pass
+VALIDATION_SUFFIX = ".valid.json"
+
+# Model metadata (ONNX metadata_props) the quantize stage writes for the runtime.
+KV_LAYOUT_KEY = "ortforge.kv_layout"  # "shared": one buffer per layer updated in place; else chained
+KV_SHARED = "shared"
+HEAD_DIM_KEY = "ortforge.head_dim"  # <variant>.valid.json beside the variant folder, written only on pass
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 GENERATION_CONFIG_FILE = "generation_config.json"
 MODEL_CONFIG_FILE = "config.json"

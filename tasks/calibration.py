@@ -37,13 +37,14 @@ def token_chunks(cfg: CalibrationConfig, tokenizer_json: Path) -> list[np.ndarra
     return [np.asarray(ids[i * cfg.tokens : (i + 1) * cfg.tokens], dtype=np.int64) for i in range(cfg.samples)]
 
 
-def prefill_feed(model, ids: np.ndarray) -> dict[str, np.ndarray]:
-    """Graph inputs for a prefill of ids with an empty KV cache, shaped from the graph's own inputs."""
+def prefill_feed(model, ids: np.ndarray, head_dim: int) -> dict[str, np.ndarray]:
+    """Graph inputs for a prefill of ids with an empty KV cache, shaped from the graph's own inputs
+    (head_dim given: genai graphs leave it symbolic)."""
     feed = {names.INPUT_IDS: ids.reshape(1, -1)}
     for graph_input in model.graph.input:
         dims = [d.dim_value for d in graph_input.type.tensor_type.shape.dim]
         if graph_input.name.startswith("past_key_values."):
-            feed[graph_input.name] = np.zeros((1, dims[1], 0, dims[3]), dtype=np.float32)
+            feed[graph_input.name] = np.zeros((1, dims[1], 0, head_dim), dtype=np.float32)
     inputs = {i.name for i in model.graph.input}
     if names.ATTENTION_MASK in inputs:
         feed[names.ATTENTION_MASK] = np.ones((1, len(ids)), dtype=np.int64)
@@ -52,7 +53,7 @@ def prefill_feed(model, ids: np.ndarray) -> dict[str, np.ndarray]:
     return feed
 
 
-def data_reader(model, chunks: list[np.ndarray]):
+def data_reader(model, chunks: list[np.ndarray], head_dim: int):
     """An onnxruntime CalibrationDataReader over the chunks (for quantize_static)."""
     from onnxruntime.quantization import CalibrationDataReader
 
@@ -65,12 +66,12 @@ def data_reader(model, chunks: list[np.ndarray]):
             return next(self._feeds, None)
 
         def rewind(self):
-            self._feeds = iter([prefill_feed(model, ids) for ids in chunks])
+            self._feeds = iter([prefill_feed(model, ids, head_dim) for ids in chunks])
 
     return Reader()
 
 
-def input_hessians(model, tensor_names: list[str], chunks: list[np.ndarray]) -> dict[str, np.ndarray]:
+def input_hessians(model, tensor_names: list[str], chunks: list[np.ndarray], head_dim: int) -> dict[str, np.ndarray]:
     """2 / n * sum(x x^T) over every row x of each named tensor (GPTQ's H), in float64."""
     import copy
 
@@ -89,7 +90,7 @@ def input_hessians(model, tensor_names: list[str], chunks: list[np.ndarray]) -> 
         session = ort.InferenceSession(str(Path(scratch) / names.MODEL_FILE), providers=["CPUExecutionProvider"])
         for index, ids in enumerate(chunks):
             log.info("calibration pass %d/%d", index + 1, len(chunks))
-            outputs = session.run(tensor_names, prefill_feed(model, ids))
+            outputs = session.run(tensor_names, prefill_feed(model, ids, head_dim))
             for name, value in zip(tensor_names, outputs, strict=True):
                 x = value.reshape(-1, value.shape[-1]).astype(np.float64)
                 sums[name] = sums.get(name, 0) + x.T @ x

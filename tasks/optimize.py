@@ -34,10 +34,26 @@ def run(cfg: OptimizeConfig, onnx_dir: Path, hf_dir: Path, out_dir: Path) -> Opt
     if not (onnx_dir / MODEL_FILE).is_file():
         raise StageError(f"{onnx_dir} has no {MODEL_FILE}; run the export stage first (dvc repro export@<model>)")
     config = json.loads((hf_dir / MODEL_CONFIG_FILE).read_text(encoding="utf-8"))
+    exported = onnx_io.load(onnx_dir)
+    ops_before = onnx_io.op_counts(exported)
+    started = time.perf_counter()
+    if cfg.model_type == "none":
+        log.info("keeping %s as exported (model_type none)", onnx_dir)
+        graph, fused = exported, {}
+    else:
+        graph, fused = fuse(cfg, onnx_dir, config)
+    trim_rotary_caches(graph, config["max_position_embeddings"])
+    with atomic_output_dir(out_dir) as tmp:
+        onnx_io.save(graph, tmp)
+    ops_after = onnx_io.op_counts(graph)
+    log.info("fused %s in %.0f s; wrote %s", fused or "nothing", time.perf_counter() - started, out_dir)
+    return OptimizeResult(out_dir, ops_before, ops_after, fused, megabytes(folder_bytes(out_dir)))
+
+
+def fuse(cfg: OptimizeConfig, onnx_dir: Path, config: dict):
+    """onnxruntime's transformer optimizer; returns the graph and the fused-operator counts."""
     from onnxruntime.transformers.optimizer import optimize_model
 
-    ops_before = onnx_io.op_counts(onnx_io.load(onnx_dir, with_weights=False))
-    started = time.perf_counter()
     log.info("fusing %s as model_type %s (takes about a minute per 100M parameters)", onnx_dir, cfg.model_type)
     optimized = optimize_model(
         str(onnx_dir / MODEL_FILE),
@@ -46,14 +62,8 @@ def run(cfg: OptimizeConfig, onnx_dir: Path, hf_dir: Path, out_dir: Path) -> Opt
         hidden_size=config["hidden_size"],
         opt_level=cfg.opt_level,
     )
-    fused = {op: n for op, n in optimized.get_fused_operator_statistics().items() if n}
-    trim_rotary_caches(optimized.model, config["max_position_embeddings"])
     optimized.topological_sort()
-    with atomic_output_dir(out_dir) as tmp:
-        onnx_io.save(optimized.model, tmp)
-    ops_after = onnx_io.op_counts(optimized.model)
-    log.info("fused %s in %.0f s; wrote %s", fused, time.perf_counter() - started, out_dir)
-    return OptimizeResult(out_dir, ops_before, ops_after, fused, megabytes(folder_bytes(out_dir)))
+    return optimized.model, {op: n for op, n in optimized.get_fused_operator_statistics().items() if n}
 
 
 def trim_rotary_caches(model, max_positions: int) -> None:

@@ -84,13 +84,15 @@ class ModelSpec(Strict):
 
 
 class ExportConfig(Strict):
-    opset: int = Field(18, ge=14, le=21)
+    exporter: Literal["optimum", "genai"] = "genai"
+    opset: int = Field(18, ge=14, le=21, description="optimum only; the genai builder picks its own")
 
 
 class OptimizeConfig(Strict):
     # onnxruntime's transformer optimizer has no llama type; gpt2's fusions (norms, rotary,
     # gelu/silu) apply to llama-style decoders.
-    model_type: Literal["gpt2", "gpt_neox", "phi", "qwen3"] = "gpt2"
+    # none: keep the exported graph (the genai builder's graph is fused already).
+    model_type: Literal["none", "gpt2", "gpt_neox", "phi", "qwen3"] = "gpt2"
     opt_level: int = Field(0, ge=0, le=2)  # 0: fusions only; session graph optimization runs at load
 
 

@@ -7,6 +7,7 @@ writes artifacts/<model>/variants/<variant>: model.onnx, tokenizer, configs and 
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from dataclasses import dataclass
@@ -48,10 +49,12 @@ def quantize_graph(cfg: QuantizeConfig, model_dir: Path, calibration: Calibratio
 
 @dataclass(frozen=True)
 class Calibration:
-    """What data-aware methods calibrate on: the text settings and the tokenizer that reads them."""
+    """What data-aware methods calibrate on: the text settings, the tokenizer that reads them, and
+    the head size of the KV cache the prefill feeds start empty."""
 
     cfg: CalibrationConfig
     tokenizer_json: Path
+    head_dim: int
 
     def chunks(self):
         return calibration.token_chunks(self.cfg, self.tokenizer_json)
@@ -60,7 +63,7 @@ class Calibration:
 def _weight_only(cfg: QuantizeConfig, model_dir: Path, calib: Calibration | None):
     model = onnx_io.load(model_dir)
     inputs = weight_only.calibrated_inputs(model, cfg)
-    hessians = calibration.input_hessians(model, inputs, calib.chunks()) if inputs else {}
+    hessians = calibration.input_hessians(model, inputs, calib.chunks(), calib.head_dim) if inputs else {}
     return weight_only.quantize_model(model, cfg, hessians)
 
 
@@ -91,7 +94,7 @@ def _onnxruntime_int8(cfg: QuantizeConfig, model_dir: Path, calib: Calibration |
             quantize_static(
                 source,
                 out,
-                calibration.data_reader(model, calib.chunks()),
+                calibration.data_reader(model, calib.chunks(), calib.head_dim),
                 quant_format=QuantFormat.QDQ,
                 per_channel=cfg.per_channel,
                 activation_type=QuantType.QUInt8,
@@ -108,6 +111,22 @@ def _onnxruntime_int8(cfg: QuantizeConfig, model_dir: Path, calib: Calibration |
         return onnx.load(str(out))
 
 
+def head_dim_of(config: dict) -> int:
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
+def tag_for_runtime(graph, config: dict) -> None:
+    """Record in the model's metadata what the runtime needs and the graph does not say: the head
+    size (genai graphs leave it symbolic) and whether the KV cache is updated in place."""
+    import onnx
+
+    shared = any(node.op_type == "GroupQueryAttention" for node in graph.graph.node)
+    props = {p.key: p.value for p in graph.metadata_props}
+    layout = names.KV_SHARED if shared else "chained"
+    props |= {names.KV_LAYOUT_KEY: layout, names.HEAD_DIM_KEY: str(head_dim_of(config))}
+    onnx.helper.set_model_props(graph, props)
+
+
 def run(
     cfg: QuantizeConfig,
     model_dir: Path,
@@ -119,11 +138,13 @@ def run(
     """Write the variant; record (model, variant, tool versions) goes into its manifest."""
     if not (model_dir / names.MODEL_FILE).is_file():
         raise StageError(f"{model_dir} has no {names.MODEL_FILE}; run the optimize stage first")
-    calib = Calibration(calibration_cfg or CalibrationConfig(), hf_dir / "tokenizer.json")
+    config = json.loads((hf_dir / names.MODEL_CONFIG_FILE).read_text(encoding="utf-8"))
+    calib = Calibration(calibration_cfg or CalibrationConfig(), hf_dir / "tokenizer.json", head_dim_of(config))
     if cfg.needs_calibration:
         calib.chunks()  # a missing or short text fails here, before the slow part
     log.info("quantizing %s with %s", model_dir, cfg.model_dump(exclude_defaults=True))
     graph = quantize_graph(cfg, model_dir, calib)
+    tag_for_runtime(graph, config)
     with atomic_output_dir(out_dir) as tmp:
         onnx_io.save(graph, tmp)
         for name in COPIED_FROM_HF:

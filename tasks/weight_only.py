@@ -284,24 +284,41 @@ class OutputLayer:
 
 
 def output_layer(model) -> OutputLayer | None:
-    """Find the output layer; optimum computes a tied one at run time as Transpose(embedding)."""
+    """Find the output layer and, if the embedding shares its matrix, the lookup.
+
+    Two tied layouts occur: optimum computes the output weight at run time as Transpose(table) of
+    the embedding table; onnxruntime-genai's builder stores the output weight and computes the
+    table as Transpose(weight).
+    """
     from onnx import numpy_helper
 
-    producers = {out: node for node in model.graph.node for out in node.output}
-    initializers = {t.name: t for t in model.graph.initializer}
+    graph = model.graph
+    producers = {out: node for node in graph.node for out in node.output}
+    initializers = {t.name: t for t in graph.initializer}
     logits = producers.get("logits")
     if logits is None or logits.op_type != "MatMul":
         return None
-    transpose = producers.get(logits.input[1])
-    if transpose is not None and transpose.op_type == "Transpose" and transpose.input[0] in initializers:
-        table = transpose.input[0]
+
+    def transposes_of(name: str):
+        return [n for n in graph.node if n.op_type == "Transpose" and n.input[0] == name]
+
+    def gather_of(table: str):
+        return next((n for n in graph.node if n.op_type == "Gather" and n.input[0] == table), None)
+
+    source = producers.get(logits.input[1])
+    if source is not None and source.op_type == "Transpose" and source.input[0] in initializers:
+        table = source.input[0]  # optimum: logits = x . Transpose(table)
         weight = numpy_helper.to_array(initializers[table]).T
-        gather = next((n for n in model.graph.node if n.op_type == "Gather" and n.input[0] == table), None)
-        return OutputLayer(logits, np.ascontiguousarray(weight), table, transpose, gather)
-    if logits.input[1] in initializers:
-        weight = numpy_helper.to_array(initializers[logits.input[1]])
-        return OutputLayer(logits, weight, logits.input[1], None, None)
-    return None
+        return OutputLayer(logits, np.ascontiguousarray(weight), table, source, gather_of(table))
+    if logits.input[1] not in initializers:
+        return None
+    weight_name = logits.input[1]
+    weight = numpy_helper.to_array(initializers[weight_name])
+    for transpose in transposes_of(weight_name):  # genai: table = Transpose(weight)
+        gather = gather_of(transpose.output[0])
+        if gather is not None:
+            return OutputLayer(logits, weight, weight_name, transpose, gather)
+    return OutputLayer(logits, weight, weight_name, None, None)
 
 
 def write_embedding(writer: GraphWriter, gather, stored: StoredCodes, codes: BlockCodes) -> None:

@@ -61,8 +61,8 @@ TINY_PARAMS = {
             "trust_remote_code": False,
         }
     },
-    "export": {"opset": 18},
-    "optimize": {"model_type": "gpt2", "opt_level": 0},
+    "export": {"exporter": "genai", "opset": 18},
+    "optimize": {"model_type": "none", "opt_level": 0},
     "quantize": {
         "fp32": {"method": "fp32"},
         "int8": {**WEIGHT_ONLY, "bits": 8, "zero_point": "none", "output_bits": 8},
@@ -175,6 +175,20 @@ def make_project(folder: Path, hf_dir: Path) -> Path:
         subprocess.run(command, cwd=folder, check=True)
     shutil.copy2(REPO / ".dvc" / "config", folder / ".dvc" / "config")
     return folder
+
+
+@pytest.fixture(scope="session")
+def built_optimum(tmp_path_factory, built, params) -> dict[str, Path]:
+    """The tiny model through optimum's exporter and onnxruntime's fusions, and its fp32 variant."""
+    from tasks import export, optimize, quantize
+    from tasks.params import ExportConfig, OptimizeConfig, QuantizeConfig
+
+    root = tmp_path_factory.mktemp("optimum")
+    out = {"hf": built["hf"], "onnx": root / "onnx", "optimized": root / "optimized", "fp32": root / "fp32"}
+    export.run(ExportConfig(exporter="optimum"), built["hf"], out["onnx"])
+    optimize.run(OptimizeConfig(model_type="gpt2"), out["onnx"], built["hf"], out["optimized"])
+    quantize.run(QuantizeConfig(method="fp32"), out["optimized"], built["hf"], out["fp32"], {"model": "tiny"})
+    return out
 
 
 @pytest.fixture

@@ -13,9 +13,10 @@ from ortforge import Decoder, IncrementalDetokenizer, SessionSettings, TextGener
 from tasks.evaluation import cached_decode_gap, full_pass_logits
 
 
-@pytest.fixture(scope="module")
-def generator(built):
-    return TextGenerator(built["fp32"])
+@pytest.fixture(scope="module", params=["genai", "optimum"])
+def generator(request, built, built_optimum):
+    """The fp32 variant from each exporter: shared (in-place) and chained KV caches."""
+    return TextGenerator((built if request.param == "genai" else built_optimum)["fp32"])
 
 
 def test_decoder_cached_steps_equal_full_recompute(generator):
@@ -87,3 +88,25 @@ def test_runtime_imports_without_build_tools(built):
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_shared_cache_matches_chained_cache_past_its_first_capacity(built):
+    from ortforge.decoder import INITIAL_CAPACITY
+
+    ids = np.random.default_rng(3).integers(0, 384, INITIAL_CAPACITY + 40)
+    shared = Decoder(create_session(built["fp32"]))
+    chained = Decoder(create_session(built["fp32"]), layout="chained")
+    assert shared.shared and not chained.shared
+    prompt = INITIAL_CAPACITY - 8  # the cache grows (and is copied once) during the steps below
+
+    def stepped(decoder):
+        logits, cache = decoder.forward(ids[:prompt], decoder.empty_cache())
+        rows = [logits[-1]]
+        for token in ids[prompt:]:
+            logits, cache = decoder.forward([int(token)], cache)
+            rows.append(logits[-1])
+        return np.array(rows)
+
+    in_place = stepped(shared)
+    np.testing.assert_allclose(in_place, stepped(chained), atol=1e-4)
+    np.testing.assert_allclose(in_place, full_pass_logits(chained, ids)[prompt - 1 :], atol=1e-3)

@@ -71,12 +71,19 @@ def weights_swapped_for(model, cfg: QuantizeConfig):
         initializers[linear.weight_name].CopyFrom(numpy_helper.from_array(codes.dequantize(), linear.weight_name))
     head = weight_only.output_layer(model)
     zero_point = "none" if cfg.zero_point == "none" else "integer"
-    table = weight_only.round_to_nearest(head.weight, cfg.output_bits, cfg.block_size, zero_point).dequantize()
-    initializers[head.weight_initializer].CopyFrom(numpy_helper.from_array(table.T.copy(), head.weight_initializer))
+    dequantized = weight_only.round_to_nearest(head.weight, cfg.output_bits, cfg.block_size, zero_point).dequantize()
+    stored = initializers[head.weight_initializer]
+    # optimum stores the embedding table [vocab, hidden]; the genai builder the output weight [hidden, vocab].
+    array = dequantized if tuple(stored.dims) == dequantized.shape else dequantized.T.copy()
+    stored.CopyFrom(numpy_helper.from_array(array, head.weight_initializer))
     return model
 
 
 def logits_of(model, folder):
+    """Logits on IDS through the runtime, the model tagged as the quantize stage tags it."""
+    from tasks.quantize import tag_for_runtime
+
+    tag_for_runtime(model, {"hidden_size": 64, "num_attention_heads": 4})
     folder.mkdir()
     onnx_io.save(model, folder)
     return full_pass_logits(Decoder(create_session(folder)), IDS)
@@ -151,7 +158,7 @@ def test_data_aware_and_hqq_algorithms_build_running_models(built, tmp_path, alg
         CalibrationConfig(text=REPO / "data/calibration/python-docs.txt", samples=2, tokens=32),
         built["hf"] / "tokenizer.json",
     )
-    hessians = calibration.input_hessians(model, weight_only.calibrated_inputs(model, cfg), chunks)
+    hessians = calibration.input_hessians(model, weight_only.calibrated_inputs(model, cfg), chunks, head_dim=16)
     assert all(h.shape[0] == h.shape[1] and np.all(np.diag(h) >= 0) for h in hessians.values())
     quantized = weight_only.quantize_model(model, cfg, hessians)
     logits = logits_of(quantized, tmp_path / algorithm)
