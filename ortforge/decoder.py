@@ -51,6 +51,8 @@ class Decoder:
         self.shared = (layout or metadata.get(names.KV_LAYOUT_KEY)) == names.KV_SHARED
         self.uses_position_ids = names.POSITION_IDS in inputs
         self.uses_attention_mask = names.ATTENTION_MASK in inputs
+        self.can_keep_last = names.LOGITS_TO_KEEP in inputs
+        self._keep = {count: np.array([count], dtype=np.int64) for count in (0, 1)}
         self._past = names.past_names(self.num_layers)
         self._present = names.present_names(self.num_layers)
         # Outputs are bound logits first; get_outputs() keeps that order, and re-binding a name each
@@ -69,8 +71,12 @@ class Decoder:
     def empty_cache(self) -> KVCache:
         return KVCache(0, [] if self.shared else [self._empty] * len(self._past))
 
-    def forward(self, token_ids, cache: KVCache) -> tuple[np.ndarray, KVCache]:
-        """Logits (sequence, vocab) for the new tokens, and the cache extended by them."""
+    def forward(self, token_ids, cache: KVCache, last_only: bool = False) -> tuple[np.ndarray, KVCache]:
+        """Logits (sequence, vocab) for the new tokens, and the cache extended by them.
+
+        last_only: the caller needs the last position's logits only (generation); graphs with a
+        logits_to_keep input then skip the others, and the result has one row.
+        """
         ids = np.ascontiguousarray(np.asarray(token_ids, dtype=np.int64).reshape(1, -1))
         start, total = cache.length, cache.length + ids.shape[1]
         self._reserve(total, cache.length)
@@ -81,6 +87,8 @@ class Decoder:
         if self.uses_position_ids:
             positions = np.arange(start, total, dtype=np.int64).reshape(1, -1)
             binding.bind_cpu_input(names.POSITION_IDS, positions)
+        if self.can_keep_last:
+            binding.bind_cpu_input(names.LOGITS_TO_KEEP, self._keep[int(last_only)])
         binding.bind_output(names.LOGITS)
         if not self.shared:
             for past, value, present in zip(self._past, cache.values, self._present, strict=True):

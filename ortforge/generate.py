@@ -23,13 +23,13 @@ def greedy_tokens(
 ) -> Iterator[int]:
     """Yield up to max_new_tokens argmax tokens; one prefill pass, then one step per token."""
     stop = set(stop_ids)
-    logits, cache = decoder.forward(prompt_ids, decoder.empty_cache())
+    logits, cache = decoder.forward(prompt_ids, decoder.empty_cache(), last_only=True)
     for produced in range(1, max_new_tokens + 1):
         token = int(np.argmax(logits[-1]))
         yield token
         if token in stop or produced == max_new_tokens:
             return
-        logits, cache = decoder.forward([token], cache)
+        logits, cache = decoder.forward([token], cache, last_only=True)
 
 
 class IncrementalDetokenizer:

@@ -8,6 +8,10 @@ INPUT_IDS = "input_ids"
 ATTENTION_MASK = "attention_mask"
 POSITION_IDS = "position_ids"
 LOGITS = "logits"
+# Optional input (default 0, all positions): compute logits for only the last N positions, as
+# transformers' logits_to_keep does. Generation keeps 1: a 128-token prefill skips 127 rows of the
+# vocabulary projection.
+LOGITS_TO_KEEP = "logits_to_keep"
 
 BATCH = "batch_size"
 SEQUENCE = "sequence_length"
@@ -15,7 +19,7 @@ PAST_SEQUENCE = "past_sequence_length"
 TOTAL_SEQUENCE = "total_sequence_length"
 
 MODEL_FILE = "model.onnx"
-RUNTIME_CONFIG_FILE = "runtime.json"
+RUNTIME_SUFFIX = ".runtime.json"  # <variant>.runtime.json beside the variant: the bench stage's tuned settings
 MANIFEST_FILE = "manifest.json"
 VALIDATION_SUFFIX = ".valid.json"
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import onnxruntime as ort
 
-from ortforge.names import MODEL_FILE, RUNTIME_CONFIG_FILE
+from ortforge.names import MODEL_FILE, RUNTIME_SUFFIX
 
 GRAPH_LEVELS = {
     "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
@@ -26,7 +26,7 @@ GRAPH_LEVELS = {
 @dataclass(frozen=True)
 class SessionSettings:
     intra_op_threads: int = 0  # 0: ONNX Runtime picks one thread per physical core
-    inter_op_threads: int = 0
+    inter_op_threads: int = 0  # above 1 runs independent nodes in parallel (ORT_PARALLEL)
     graph_level: str = "all"
     enable_mem_pattern: bool = True
     enable_cpu_mem_arena: bool = True
@@ -47,11 +47,11 @@ class SessionSettings:
 
     @classmethod
     def for_artifact(cls, model_dir: Path) -> SessionSettings:
-        """The settings saved with an artifact, or the defaults when it has none."""
-        path = Path(model_dir) / RUNTIME_CONFIG_FILE
+        """The settings the bench stage measured best for this artifact, or the defaults."""
+        path = runtime_config(model_dir)
         if not path.is_file():
             return cls()
-        return cls.from_dict(json.loads(path.read_text(encoding="utf-8")).get("session", {}))
+        return cls.from_dict(json.loads(path.read_text(encoding="utf-8"))["session"])
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -60,11 +60,19 @@ class SessionSettings:
         options = ort.SessionOptions()
         options.intra_op_num_threads = self.intra_op_threads
         options.inter_op_num_threads = self.inter_op_threads
+        if self.inter_op_threads > 1:
+            options.execution_mode = ort.ExecutionMode.ORT_PARALLEL
         options.graph_optimization_level = GRAPH_LEVELS[self.graph_level]
         options.enable_mem_pattern = self.enable_mem_pattern
         options.enable_cpu_mem_arena = self.enable_cpu_mem_arena
         options.log_severity_level = 3  # warnings about unused initializers are noise for users
         return options
+
+
+def runtime_config(model_dir: Path) -> Path:
+    """Where an artifact's tuned settings live: beside its folder, like its validation stamp."""
+    model_dir = Path(model_dir)
+    return model_dir.with_name(model_dir.name + RUNTIME_SUFFIX)
 
 
 def create_session(model_dir: Path, settings: SessionSettings | None = None) -> ort.InferenceSession:

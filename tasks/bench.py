@@ -35,19 +35,19 @@ ORT, TORCH = "onnxruntime", "pytorch"
 def timed_generation(decoder, prompt: list[int], new_tokens: int) -> tuple[float, list[float]]:
     """Seconds to the first token (prefill + argmax), and seconds of each later decode step."""
     start = time.perf_counter()
-    logits, cache = decoder.forward(prompt, decoder.empty_cache())
+    logits, cache = decoder.forward(prompt, decoder.empty_cache(), last_only=True)
     token = int(np.argmax(logits[-1]))
     first = time.perf_counter() - start
     steps = []
     for _ in range(new_tokens - 1):
         start = time.perf_counter()
-        logits, cache = decoder.forward([token], cache)
+        logits, cache = decoder.forward([token], cache, last_only=True)
         token = int(np.argmax(logits[-1]))
         steps.append(time.perf_counter() - start)
     return first, steps
 
 
-def _load_decoder(engine: str, model_dir: Path, threads: int):
+def _load_decoder(engine: str, model_dir: Path, threads: int, session: dict | None):
     if engine == TORCH:
         from tasks.torch_decoder import TorchDecoder
 
@@ -55,14 +55,14 @@ def _load_decoder(engine: str, model_dir: Path, threads: int):
         return decoder, decoder.torch.get_num_threads()
     from ortforge import Decoder, SessionSettings, create_session
 
-    settings = SessionSettings(intra_op_threads=threads)
-    return Decoder(create_session(model_dir, settings)), threads
+    settings = SessionSettings.from_dict(session) if session else SessionSettings(intra_op_threads=threads)
+    return Decoder(create_session(model_dir, settings)), settings.intra_op_threads
 
 
-def measure_engine(engine: str, model_dir: str, prompt: list[int], cfg: dict) -> dict:
+def measure_engine(engine: str, model_dir: str, prompt: list[int], cfg: dict, session: dict | None = None) -> dict:
     """Run in a fresh process: load, warm up, then time cfg['repeats'] generations."""
     started = time.perf_counter()
-    decoder, threads = _load_decoder(engine, Path(model_dir), cfg["threads"])
+    decoder, threads = _load_decoder(engine, Path(model_dir), cfg["threads"], session)
     load_seconds = time.perf_counter() - started
     for _ in range(cfg["warmup"]):
         timed_generation(decoder, prompt, cfg["new_tokens"])
@@ -76,10 +76,11 @@ def measure_engine(engine: str, model_dir: str, prompt: list[int], cfg: dict) ->
     }
 
 
-def _in_fresh_process(engine: str, model_dir: Path, prompt: list[int], cfg: BenchConfig) -> dict:
-    context = multiprocessing.get_context("spawn")  # fork would share the parent's pages and RSS
+def in_fresh_process(function, *args):
+    """function(*args) in a new interpreter: fork would share the parent's pages and its RSS."""
+    context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
-        return pool.submit(measure_engine, engine, str(model_dir), prompt, cfg.model_dump(mode="json")).result()
+        return pool.submit(function, *args).result()
 
 
 def summarize(runs: list[dict], prompt_tokens: int, size_bytes: int) -> dict:
@@ -125,15 +126,25 @@ def run(cfg: BenchConfig, variant_dir: Path, hf_dir: Path) -> dict:
     except ValueError as error:
         raise StageError(f"{error}; only validated variants are benchmarked (dvc repro validate@...)") from None
     prompt = prompt_ids(variant_dir, cfg.text, cfg.prompt_tokens)
+    tuning = None
+    if cfg.tune:
+        from tasks.tuning import sweep
+
+        log.info("choosing session settings for %s by measurement", variant_dir)
+        tuning = in_fresh_process(sweep, str(variant_dir), prompt, cfg.new_tokens)
+        log.info("best settings %s", tuning["session"])
     engines = {ORT: variant_dir, **({TORCH: hf_dir} if cfg.baseline else {})}
     runs: dict[str, list[dict]] = {engine: [] for engine in engines}
+    workload = cfg.model_dump(mode="json")
     for round_index in range(cfg.rounds):
         for engine, model_dir in engines.items():
             log.info("round %d/%d: %s on %s", round_index + 1, cfg.rounds, engine, model_dir)
-            runs[engine].append(_in_fresh_process(engine, model_dir, prompt, cfg))
+            session = tuning["session"] if tuning and engine == ORT else None
+            runs[engine].append(in_fresh_process(measure_engine, engine, str(model_dir), prompt, workload, session))
     sizes = {ORT: folder_bytes(variant_dir, MODEL_FILE + "*"), TORCH: folder_bytes(hf_dir, "*.safetensors")}
     result = summarize(runs[ORT], cfg.prompt_tokens, sizes[ORT])
-    result["workload"] = cfg.model_dump(mode="json")
+    result["workload"] = workload
+    result["tuning"] = tuning
     if cfg.baseline:
         result["baseline"] = summarize(runs[TORCH], cfg.prompt_tokens, sizes[TORCH])
         result["vs_baseline"] = ratios(result, result["baseline"])
@@ -149,11 +160,19 @@ def run(cfg: BenchConfig, variant_dir: Path, hf_dir: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    flags = {"variant-dir": paths.variant_dir, "hf": paths.hf_dir, "report": paths.bench_json}
+    flags = {
+        "variant-dir": paths.variant_dir,
+        "hf": paths.hf_dir,
+        "report": paths.bench_json,
+        "runtime": paths.runtime_config,
+    }
 
     def body(a):
         p = a.paths
-        atomic_write_json(p["report"], run(a.params.bench, p["variant-dir"], p["hf"]))
+        result = run(a.params.bench, p["variant-dir"], p["hf"])
+        if result["tuning"]:  # the runtime reads these settings by default (SessionSettings.for_artifact)
+            atomic_write_json(p["runtime"], {"session": result["tuning"]["session"], "measured_by": "tasks.tuning"})
+        atomic_write_json(p["report"], result)
 
     return stage_cli("bench", __doc__, flags, body, argv, variant=True)
 

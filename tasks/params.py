@@ -205,7 +205,8 @@ class BenchConfig(Strict):
     warmup: int = Field(1, ge=0)
     repeats: int = Field(3, ge=1)
     rounds: int = Field(1, ge=1, description="fresh processes per engine, interleaved")
-    threads: int = Field(0, ge=0, description="intra-op threads; 0 lets each engine choose")
+    threads: int = Field(0, ge=0, description="PyTorch threads, and onnxruntime's when not tuning; 0: default")
+    tune: bool = True  # choose onnxruntime session settings by measurement (tasks/tuning.py)
     baseline: bool = True  # also time PyTorch fp32 with its KV cache, in the same run
 
 

@@ -39,6 +39,12 @@ def validation_stamp(model: str, variant: str) -> Path:
     return stamp_of(variant_dir(model, variant))
 
 
+def runtime_config(model: str, variant: str) -> Path:
+    from ortforge.session import runtime_config as settings_of
+
+    return settings_of(variant_dir(model, variant))
+
+
 def variant_reports(model: str) -> Path:
     return REPORTS / model / "variants"
 

@@ -13,6 +13,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from ortforge import names
 from ortforge.manifest import write_manifest
 from tasks import calibration, onnx_io, paths, weight_only
@@ -111,6 +113,38 @@ def _onnxruntime_int8(cfg: QuantizeConfig, model_dir: Path, calib: Calibration |
         return onnx.load(str(out))
 
 
+def add_logits_to_keep(graph) -> None:
+    """Give the graph an optional input logits_to_keep (default 0: all positions) that slices the
+    hidden states before the output layer, so a generation prefill computes one row of logits."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    inputs = {i.name for i in graph.graph.input}
+    head = next((n for n in graph.graph.node if n.output[0] == names.LOGITS), None)
+    if head is None or names.LOGITS_TO_KEEP in inputs:
+        return
+    hidden, stem = head.input[0], "/logits_to_keep"
+    constants = {
+        stem + "/ends": np.array([np.iinfo(np.int64).max], dtype=np.int64),
+        stem + "/axes": np.array([1], dtype=np.int64),
+        names.LOGITS_TO_KEEP: np.array([0], dtype=np.int64),
+    }
+    graph.graph.initializer.extend(onnx.numpy_helper.from_array(v, k) for k, v in constants.items())
+    graph.graph.input.append(helper.make_tensor_value_info(names.LOGITS_TO_KEEP, TensorProto.INT64, [1]))
+    graph.graph.node.extend(
+        [
+            helper.make_node("Neg", [names.LOGITS_TO_KEEP], [stem + "/starts"], name=stem + "/Neg"),
+            helper.make_node(
+                "Slice", [hidden, stem + "/starts", stem + "/ends", stem + "/axes"], [stem + "/hidden"], name=stem
+            ),
+        ]
+    )
+    head.input[0] = stem + "/hidden"
+    from onnxruntime.transformers.onnx_model import OnnxModel
+
+    OnnxModel(graph).topological_sort()
+
+
 def head_dim_of(config: dict) -> int:
     return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
 
@@ -144,6 +178,7 @@ def run(
         calib.chunks()  # a missing or short text fails here, before the slow part
     log.info("quantizing %s with %s", model_dir, cfg.model_dump(exclude_defaults=True))
     graph = quantize_graph(cfg, model_dir, calib)
+    add_logits_to_keep(graph)
     tag_for_runtime(graph, config)
     with atomic_output_dir(out_dir) as tmp:
         onnx_io.save(graph, tmp)

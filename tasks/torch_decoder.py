@@ -24,8 +24,8 @@ class TorchDecoder:
 
         return DynamicCache()
 
-    def forward(self, token_ids, cache):
+    def forward(self, token_ids, cache, last_only: bool = False):
         ids = self.torch.as_tensor(np.asarray(token_ids, dtype=np.int64).reshape(1, -1))
         with self.torch.inference_mode():
-            out = self.model(input_ids=ids, past_key_values=cache, use_cache=True)
+            out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=int(last_only))
         return out.logits[0].float().numpy(), out.past_key_values

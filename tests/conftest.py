@@ -97,6 +97,7 @@ TINY_PARAMS = {
         "repeats": 2,
         "rounds": 1,
         "threads": 1,
+        "tune": True,
         "baseline": True,
     },
 }

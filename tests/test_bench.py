@@ -43,6 +43,10 @@ def test_run_reports_variant_and_baseline_metrics(built, params, validated):
     assert result["peak_rss_mb"] > 10  # a real process's resident memory, not a placeholder
     assert set(result["vs_baseline"]) == {"decode_speedup", "first_token_speedup", "rss_reduction", "size_reduction"}
     assert result["workload"]["new_tokens"] == params.bench.new_tokens
+    tuning = result["tuning"]
+    assert len(tuning["trials"]) >= 6  # threads, inter-op, graph levels, memory pattern, arena
+    assert tuning["workload_seconds"] == min(trial["seconds"] for trial in tuning["trials"])
+    assert tuning["session"] in [trial["settings"] for trial in tuning["trials"]]
 
 
 def test_timed_generation_times_every_decode_step(built):

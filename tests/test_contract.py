@@ -42,7 +42,10 @@ def expected_paths(stage: str, model: str, variant: str | None) -> tuple[set[Pat
         "reference": ({hf}, {ref}),
         "quantize": ({opt, hf}, {var} if variant else set()),
         "validate": ({var, ref} if variant else set(), {val, stamp} if variant else set()),
-        "bench": ({var, stamp, hf} if variant else set(), {paths.bench_json(model, variant)} if variant else set()),
+        "bench": (
+            {var, stamp, hf} if variant else set(),
+            {paths.bench_json(model, variant), paths.runtime_config(model, variant)} if variant else set(),
+        ),
         "report": (
             {paths.variant_reports(model)},
             {paths.report_md(model), paths.report_png(model), paths.report_json(model)},

@@ -72,6 +72,21 @@ def test_decoder_rejects_graph_without_kv_cache(built, tmp_path):
         Decoder(create_session(tmp_path))
 
 
+def test_session_settings_come_from_the_artifacts_runtime_file(built, tmp_path):
+    import json
+    import shutil
+
+    from ortforge.session import runtime_config
+
+    variant = tmp_path / "int4"
+    shutil.copytree(built["int4"], variant)
+    assert SessionSettings.for_artifact(variant) == SessionSettings()
+    tuned = {"intra_op_threads": 1, "inter_op_threads": 0, "graph_level": "basic"}
+    runtime_config(variant).write_text(json.dumps({"session": tuned}))
+    assert SessionSettings.for_artifact(variant) == SessionSettings(**tuned)
+    assert TextGenerator(variant).generate("the", 3) == TextGenerator(built["int4"]).generate("the", 3)
+
+
 def test_session_settings_reject_unknown_keys():
     with pytest.raises(ValueError, match="intra_op_thread"):
         SessionSettings.from_dict({"intra_op_thread": 2})

@@ -1,0 +1,65 @@
+"""Choose onnxruntime session settings for one artifact by measuring them on the generation
+workload, not by guessing: intra-op threads (1..cores), inter-op parallelism, graph optimization
+level, memory pattern and arena.
+
+Coordinate descent: each setting in turn takes the value that generated fastest while the others
+stay at their best so far (11 trials on 2 cores instead of 48 for the full grid). The objective is
+the whole workload's wall time (prefill plus every decode step), median of a few runs, each trial
+with its own session and a warm-up.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+def dimensions(cores: int) -> dict[str, list]:
+    return {
+        "intra_op_threads": list(range(1, cores + 1)),
+        "inter_op_threads": [0, 2] if cores > 1 else [0],
+        "graph_level": ["basic", "extended", "all"],
+        "enable_mem_pattern": [True, False],
+        "enable_cpu_mem_arena": [True, False],
+    }
+
+
+def workload_seconds(model_dir: Path, settings: dict, prompt: list[int], new_tokens: int, repeats: int) -> float:
+    from ortforge import Decoder, SessionSettings, create_session
+    from tasks.bench import timed_generation
+
+    decoder = Decoder(create_session(model_dir, SessionSettings.from_dict(settings)))
+    timed_generation(decoder, prompt, new_tokens)  # warm-up: first-run allocations and caches
+    totals = []
+    for _ in range(repeats):
+        first, steps = timed_generation(decoder, prompt, new_tokens)
+        totals.append(first + sum(steps))
+    return float(np.median(totals))
+
+
+def sweep(model_dir: str, prompt: list[int], new_tokens: int, repeats: int = 2) -> dict:
+    """Run in a fresh process; returns the best settings and every trial."""
+    from ortforge import SessionSettings
+
+    cores = os.cpu_count() or 1
+    best = SessionSettings(intra_op_threads=cores).to_dict()
+    best_seconds = workload_seconds(Path(model_dir), best, prompt, new_tokens, repeats)
+    trials = [{"settings": dict(best), "seconds": best_seconds}]
+    for name, values in dimensions(cores).items():
+        for value in values:
+            if value == best[name]:
+                continue
+            candidate = best | {name: value}
+            started = time.perf_counter()
+            seconds = workload_seconds(Path(model_dir), candidate, prompt, new_tokens, repeats)
+            trials.append({"settings": candidate, "seconds": seconds})
+            log.debug("%s=%s: %.1f ms (trial took %.1f s)", name, value, seconds * 1e3, time.perf_counter() - started)
+            if seconds < best_seconds:
+                best, best_seconds = candidate, seconds
+    return {"session": best, "workload_seconds": best_seconds, "trials": trials}
