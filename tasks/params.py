@@ -101,8 +101,8 @@ class OptimizeConfig(Strict):
 METHOD_FIELDS = {
     "fp32": set(),
     "fp16": set(),
-    "int8_dynamic": {"weight_type", "per_channel", "reduce_range"},
-    "int8_static": {"calibrate", "per_channel"},
+    "int8_dynamic": {"weight_type", "per_channel", "reduce_range", "keep_float"},
+    "int8_static": {"calibrate", "per_channel", "keep_float"},
     "weight_only": {
         "bits",
         "algorithm",
@@ -123,6 +123,7 @@ class QuantizeConfig(Strict):
     per_channel: bool = False
     reduce_range: bool = False
     calibrate: Literal["minmax", "entropy", "percentile"] = "minmax"
+    keep_float: tuple[str, ...] = Field((), description="MatMuls whose node name contains one of these stay float")
     # weight_only (MatMulNBits)
     bits: Literal[4, 8] = 4
     algorithm: Literal["rtn", "imatrix", "hqq", "gptq"] = Field(

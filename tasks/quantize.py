@@ -78,6 +78,8 @@ def _onnxruntime_int8(cfg: QuantizeConfig, model_dir: Path, calib: Calibration |
 
     # The transformer optimizer's graph lacks some type info the quantizers need.
     options = {"DefaultTensorType": onnx.TensorProto.FLOAT}
+    graph = onnx_io.load(model_dir, with_weights=False)
+    keep = [n.name for n in graph.graph.node if n.op_type == "MatMul" and any(p in n.name for p in cfg.keep_float)]
     with tempfile.TemporaryDirectory() as scratch:
         out = Path(scratch) / names.MODEL_FILE
         source = model_dir / names.MODEL_FILE
@@ -88,20 +90,21 @@ def _onnxruntime_int8(cfg: QuantizeConfig, model_dir: Path, calib: Calibration |
                 weight_type=QuantType[cfg.weight_type],
                 per_channel=cfg.per_channel,
                 reduce_range=cfg.reduce_range,
+                nodes_to_exclude=keep,
                 extra_options=options,
                 use_external_data_format=True,
             )
         else:
-            model = onnx_io.load(model_dir, with_weights=False)
             quantize_static(
                 source,
                 out,
-                calibration.data_reader(model, calib.chunks(), calib.head_dim),
+                calibration.data_reader(graph, calib.chunks(), calib.head_dim),
                 quant_format=QuantFormat.QDQ,
                 per_channel=cfg.per_channel,
                 activation_type=QuantType.QUInt8,
                 weight_type=QuantType.QInt8,
                 op_types_to_quantize=["MatMul"],
+                nodes_to_exclude=keep,
                 calibrate_method={
                     "minmax": CalibrationMethod.MinMax,
                     "entropy": CalibrationMethod.Entropy,

@@ -34,9 +34,9 @@ def test_variants_use_their_quantized_operators(built):
     [
         (QuantizeConfig(method="int8_dynamic"), "DynamicQuantizeMatMul"),
         (QuantizeConfig(method="int8_static", calibrate="minmax"), "QuantizeLinear"),
-        (QuantizeConfig(method="int8_static", calibrate="percentile"), "QuantizeLinear"),
+        (QuantizeConfig(method="int8_static", calibrate="percentile", keep_float=("down_proj",)), "QuantizeLinear"),
     ],
-    ids=["dynamic", "static-minmax", "static-percentile"],
+    ids=["dynamic", "static-minmax", "static-percentile-keep-down"],
 )
 def test_onnxruntime_int8_recipes_build_running_variants(built, tmp_path, cfg, operator):
     from tasks.params import CalibrationConfig
@@ -44,8 +44,16 @@ def test_onnxruntime_int8_recipes_build_running_variants(built, tmp_path, cfg, o
 
     calibration = CalibrationConfig(text=REPO / "data/calibration/python-docs.txt", samples=2, tokens=32)
     result = quantize.run(cfg, built["optimized"], built["hf"], tmp_path / "v", {}, calibration)
-    ops = onnx_io.op_counts(onnx_io.load(result.out_dir, with_weights=False))
+    graph = onnx_io.load(result.out_dir, with_weights=False)
+    ops = onnx_io.op_counts(graph)
     assert operator in ops or "MatMulInteger" in ops
+    producers = {out: n.op_type for n in graph.graph.node for out in n.output}
+
+    def float_matmul(node):  # QDQ keeps the op a MatMul but feeds it dequantized weights
+        return node.op_type == "MatMul" and producers.get(node.input[1]) != "DequantizeLinear"
+
+    down = [n for n in graph.graph.node if "down_proj" in n.name and "MatMul" in n.op_type]
+    assert down and all(float_matmul(n) for n in down) == bool(cfg.keep_float)
     assert TextGenerator(result.out_dir).generate("the", 3)
 
 

@@ -1,0 +1,175 @@
+"""The engines the side-by-side benchmark compares, each measured inside its own fresh process.
+
+Every engine reports the same thing for one workload (prompt of N tokens, M greedy new tokens):
+seconds to the first token and the seconds of each later token, for each repeat after warm-up,
+plus the process's peak RSS. Loads that an engine needs (torch, genai, llama.cpp) happen in the
+child process only.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+class PlainDecoder:
+    """onnxruntime without I/O binding: numpy feeds and fetches every step, the cache copied
+    through Python each token. What the I/O-binding runtime is measured against."""
+
+    def __init__(self, model_dir: Path, settings):
+        from ortforge import Decoder, create_session
+
+        self.inner = Decoder(create_session(model_dir, settings))  # for shapes and names only
+        self.session = self.inner.session
+        self.outputs = [o.name for o in self.session.get_outputs()]
+        self.inputs = {i.name for i in self.session.get_inputs()}
+
+    def empty_cache(self):
+        d = self.inner
+        return [np.zeros((1, d.kv_heads, 0, d.head_dim), np.float32) for _ in range(2 * d.num_layers)]
+
+    def forward(self, token_ids, cache, last_only: bool = False):
+        from ortforge import names
+
+        ids = np.asarray(token_ids, dtype=np.int64).reshape(1, -1)
+        length = cache[0].shape[2]
+        feed = {names.INPUT_IDS: ids, **dict(zip(names.past_names(self.inner.num_layers), cache, strict=True))}
+        if names.ATTENTION_MASK in self.inputs:
+            feed[names.ATTENTION_MASK] = np.ones((1, length + ids.shape[1]), dtype=np.int64)
+        if names.POSITION_IDS in self.inputs:
+            feed[names.POSITION_IDS] = np.arange(length, length + ids.shape[1], dtype=np.int64).reshape(1, -1)
+        if names.LOGITS_TO_KEEP in self.inputs:
+            feed[names.LOGITS_TO_KEEP] = np.array([int(last_only)], dtype=np.int64)
+        results = dict(zip(self.outputs, self.session.run(self.outputs, feed), strict=True))
+        presents = [results[name] for name in names.present_names(self.inner.num_layers)]
+        return results[names.LOGITS][0], presents
+
+
+class RecomputeDecoder:
+    """PyTorch without its KV cache: every token runs the whole sequence again."""
+
+    def __init__(self, hf_dir: Path):
+        from tasks.torch_decoder import TorchDecoder
+
+        self.inner = TorchDecoder(hf_dir)
+
+    def empty_cache(self):
+        return []
+
+    def forward(self, token_ids, cache, last_only: bool = False):
+        sequence = list(cache) + [int(t) for t in np.asarray(token_ids).reshape(-1)]
+        logits, _ = self.inner.forward(sequence, self.inner.empty_cache(), last_only=True)
+        return logits, sequence
+
+
+def _decoder(spec: dict):
+    from ortforge import Decoder, SessionSettings, create_session
+
+    kind, path = spec["kind"], Path(spec["path"])
+    if kind == "torch-kv":
+        from tasks.torch_decoder import TorchDecoder
+
+        return TorchDecoder(path)
+    if kind == "torch-nokv":
+        return RecomputeDecoder(path)
+    settings = SessionSettings.for_artifact(path) if spec.get("tuned") else SessionSettings()
+    if kind == "ort-plain":
+        return PlainDecoder(path, settings)
+    return Decoder(create_session(path, settings))
+
+
+def _generate(decoder, prompt: list[int], new_tokens: int, sample_steps: int | None):
+    """(first-token seconds, per-step seconds). With sample_steps, only that many evenly spaced
+    steps are run (for decoders whose every step recomputes everything) and the rest are
+    interpolated linearly in sequence length; the spec says so in the results."""
+    from tasks.bench import timed_generation
+
+    if not sample_steps:
+        return timed_generation(decoder, prompt, new_tokens)
+    start = time.perf_counter()
+    decoder.forward(prompt, decoder.empty_cache(), last_only=True)
+    first = time.perf_counter() - start
+    positions = np.linspace(1, new_tokens - 1, sample_steps).round().astype(int)
+    timings = []
+    for offset in positions:
+        cache = list(prompt) + [0] * int(offset - 1)
+        start = time.perf_counter()
+        decoder.forward([0], cache, last_only=True)
+        timings.append(time.perf_counter() - start)
+    steps = np.interp(np.arange(1, new_tokens), positions, timings)
+    return first, list(steps)
+
+
+def _run_genai(path: Path, prompt: list[int], new_tokens: int):
+    import onnxruntime_genai as og
+
+    model = og.Model(str(path))
+
+    def once():
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=len(prompt) + new_tokens, do_sample=False)
+        generator = og.Generator(model, params)
+        start = time.perf_counter()
+        generator.append_tokens(prompt)  # prefill; the first token comes with it
+        first = time.perf_counter() - start
+        steps = []
+        while not generator.is_done():
+            start = time.perf_counter()
+            generator.generate_next_token()
+            steps.append(time.perf_counter() - start)
+        return first, steps
+
+    return once
+
+
+def _run_llamacpp(path: Path, prompt: list[int], new_tokens: int, threads: int):
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=len(prompt) + new_tokens + 8, n_threads=threads, verbose=False)
+
+    def once():
+        llm.reset()
+        start = time.perf_counter()
+        llm.eval(prompt)
+        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        first = time.perf_counter() - start
+        steps = []
+        for _ in range(new_tokens - 1):
+            start = time.perf_counter()
+            llm.eval([token])
+            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            steps.append(time.perf_counter() - start)
+        return first, steps
+
+    return once
+
+
+def measure(spec: dict, prompt: list[int], new_tokens: int, warmup: int, repeats: int) -> dict:
+    """Run in a fresh process: load the engine, warm up, time `repeats` generations."""
+    import os
+
+    started = time.perf_counter()
+    kind = spec["kind"]
+    if kind == "genai":
+        once = _run_genai(Path(spec["path"]), prompt, new_tokens)
+    elif kind == "llamacpp":
+        once = _run_llamacpp(Path(spec["path"]), prompt, new_tokens, os.cpu_count() or 1)
+    else:
+        decoder = _decoder(spec)
+
+        def once():
+            return _generate(decoder, prompt, new_tokens, spec.get("sample_steps"))
+
+    load = time.perf_counter() - started
+    for _ in range(warmup):
+        once()
+    runs = [once() for _ in range(repeats)]
+    return {
+        "first_token_s": [first for first, _ in runs],
+        "step_s": [list(steps) for _, steps in runs],
+        "load_s": load,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }

@@ -1,0 +1,281 @@
+"""Side-by-side CPU generation benchmark: PyTorch with and without its KV cache, onnxruntime on
+optimum's export with default settings, ortforge's built variants, and, when installed,
+onnxruntime-genai's int4 build with its own runtime and llama.cpp (llama-cpp-python) on the
+original GGUF. Each engine runs in its own fresh process, engines interleave over rounds, and
+figures are medians (p50) and p95 over every timed token.
+
+Two workloads: the short one the bench stage uses (128-token prompt, 64 new tokens) and the guide's
+long one (2,048-token prompt, 200 new tokens), on which a chain of engines adds one technique at a
+time to give the "x lighter" figure and each step's share. The memory-bandwidth roofline is
+measured here (threads copying large arrays) and each engine's decode speed is reported against
+the speed its weight bytes allow.
+
+    python benchmarks/side_by_side.py [--model smollm2-135m] [--rounds 3] [--skip-long]
+
+Needs `dvc repro` first (it reads artifacts/). Writes benchmarks/results/side_by_side.json and
+side_by_side.png and prints the tables. Takes about 10 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks import engines  # noqa: E402
+from tasks import paths  # noqa: E402
+from tasks.bench import in_fresh_process, prompt_ids  # noqa: E402
+from tasks.files import atomic_write_json, folder_bytes  # noqa: E402
+
+RESULTS = REPO / "benchmarks" / "results"
+CACHE = REPO / "benchmarks" / ".cache"
+WORKLOADS = {"short": (128, 64), "long": (2048, 200)}
+
+
+def memory_bandwidth_gb_s(size_mb: int = 512, seconds: float = 2.0) -> float:
+    """Bytes read plus written per second by one copying thread per core (numpy releases the GIL)."""
+    cores = os.cpu_count() or 1
+    sources = [np.ones(size_mb * 1024 * 1024 // 8) for _ in range(cores)]
+    targets = [np.empty_like(s) for s in sources]
+    copied = [0] * cores
+
+    def copy(i: int, until: float) -> None:
+        while time.perf_counter() < until:
+            np.copyto(targets[i], sources[i])
+            copied[i] += 2 * sources[i].nbytes
+
+    until = time.perf_counter() + seconds
+    workers = [threading.Thread(target=copy, args=(i, until)) for i in range(cores)]
+    started = time.perf_counter()
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    return sum(copied) / (time.perf_counter() - started) / 1e9
+
+
+def optimum_fp32(model: str) -> Path:
+    """optimum's export exactly as it ships (no fusions, logits for every position), built once."""
+    from tasks import export
+    from tasks.params import ExportConfig
+
+    out = CACHE / model / "optimum-fp32"
+    if not (out / "model.onnx").is_file():
+        export.run(ExportConfig(exporter="optimum"), paths.hf_dir(model), out)
+    return out
+
+
+def genai_int4(model: str) -> Path | None:
+    """onnxruntime-genai's own int4 build (its quantizer and config), built once into the cache."""
+    try:
+        from onnxruntime_genai.models.builder import create_model, parse_extra_options
+    except ImportError:
+        return None
+    out = CACHE / model / "genai-int4"
+    if not (out / "genai_config.json").is_file():
+        cache = str(CACHE / "genai-build")
+        options = parse_extra_options(None, str(paths.hf_dir(model)), str(out), "int4", "cpu", cache, [])
+        create_model(None, str(paths.hf_dir(model)), str(out), "int4", "cpu", cache, **options)
+    return out
+
+
+def gguf_file(model: str) -> Path | None:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return None
+    source = json.loads((paths.hf_dir(model) / paths.SOURCE_FILE).read_text())
+    if source.get("kind") == "gguf_package":
+        import importlib.metadata
+
+        return Path(importlib.metadata.distribution(source["package"]).locate_file(source["file"]))
+    return None
+
+
+def short_engines(model: str) -> dict[str, dict]:
+    variant = lambda v: str(paths.variant_dir(model, v))  # noqa: E731
+    specs = {
+        "PyTorch fp32, no KV cache": {"kind": "torch-nokv", "path": str(paths.hf_dir(model)), "sample_steps": 8},
+        "PyTorch fp32, KV cache": {"kind": "torch-kv", "path": str(paths.hf_dir(model))},
+        "optimum export fp32, ORT defaults": {"kind": "ort-plain", "path": str(optimum_fp32(model))},
+    }
+    for name in ("fp32", "int8", "int4", "int4_mixed"):
+        if paths.variant_dir(model, name).is_dir():
+            specs[f"ortforge {name}"] = {"kind": "ort", "path": variant(name), "tuned": True}
+    if (built := genai_int4(model)) is not None:
+        specs["onnxruntime-genai int4 + its runtime"] = {"kind": "genai", "path": str(built)}
+    if (gguf := gguf_file(model)) is not None:
+        specs[f"llama.cpp, {gguf.name.split('.')[-2]} GGUF"] = {"kind": "llamacpp", "path": str(gguf)}
+    return specs
+
+
+def chain_engines(model: str) -> dict[str, dict]:
+    """The long-prompt chain: each entry adds one technique to the one before."""
+    hf, int4 = str(paths.hf_dir(model)), str(paths.variant_dir(model, "int4"))
+    return {
+        "PyTorch fp32, no KV cache": {"kind": "torch-nokv", "path": hf, "sample_steps": 6},
+        "+ KV cache (PyTorch)": {"kind": "torch-kv", "path": hf},
+        "+ ONNX Runtime (optimum export, defaults)": {"kind": "ort-plain", "path": str(optimum_fp32(model))},
+        "+ fused graph, last-position logits (fp32)": {
+            "kind": "ort-plain",
+            "path": str(paths.variant_dir(model, "fp32")),
+        },
+        "+ int4 quantization": {"kind": "ort-plain", "path": int4},
+        "+ tuned session settings": {"kind": "ort-plain", "path": int4, "tuned": True},
+        "+ I/O binding, in-place KV cache": {"kind": "ort", "path": int4, "tuned": True},
+    }
+
+
+def size_mb(spec: dict) -> float:
+    path = Path(spec["path"])
+    if path.is_file():
+        return path.stat().st_size / 1e6
+    pattern = "*.safetensors" if spec["kind"].startswith("torch") else "model.onnx*"
+    return folder_bytes(path, pattern) / 1e6
+
+
+def summarize(runs: list[dict], spec: dict, prompt_tokens: int, bandwidth: float) -> dict:
+    first = np.array([s for run in runs for s in run["first_token_s"]])
+    steps = np.array([s for run in runs for repeat in run["step_s"] for s in repeat])
+    rates = [len(r) / sum(r) for run in runs for r in run["step_s"]]
+    e2e = [f + sum(r) for run in runs for f, r in zip(run["first_token_s"], run["step_s"], strict=True)]
+    size = size_mb(spec)
+    roofline = bandwidth * 1e3 / size  # tokens/s if each token read every weight byte once
+    return {
+        "decode_tokens_per_second": float(np.median(rates)),
+        "decode_ms_p50": float(np.percentile(steps, 50) * 1e3),
+        "decode_ms_p95": float(np.percentile(steps, 95) * 1e3),
+        "first_token_ms_p50": float(np.percentile(first, 50) * 1e3),
+        "first_token_ms_p95": float(np.percentile(first, 95) * 1e3),
+        "prefill_tokens_per_second": float(prompt_tokens / np.percentile(first, 50)),
+        "end_to_end_s": float(np.median(e2e)),
+        "peak_rss_mb": float(max(run["peak_rss_mb"] for run in runs)),
+        "size_mb": round(size, 1),
+        "roofline_tokens_per_second": roofline,
+        "share_of_roofline": float(np.median(rates)) / roofline,
+        "interpolated_steps": bool(spec.get("sample_steps")),
+    }
+
+
+def run_workload(specs: dict[str, dict], prompt: list[int], new_tokens: int, rounds: int, bandwidth: float) -> dict:
+    runs: dict[str, list] = {name: [] for name in specs}
+    for round_index in range(rounds):
+        for name, spec in specs.items():
+            print(f"  round {round_index + 1}/{rounds}: {name}", flush=True)
+            runs[name].append(in_fresh_process(engines.measure, spec, prompt, new_tokens, 1, 2))
+    return {name: summarize(runs[name], specs[name], len(prompt), bandwidth) | {"spec": specs[name]} for name in specs}
+
+
+def lighter(chain: dict) -> dict:
+    """Each chain step's speed-up over the step before, and the whole chain's."""
+    names = list(chain)
+    times = [chain[n]["end_to_end_s"] for n in names]
+    steps = {names[i]: times[i - 1] / times[i] for i in range(1, len(names))}
+    return {"x_lighter": times[0] / times[-1], "x_lighter_than_kv_cache": times[1] / times[-1], "steps": steps}
+
+
+def table(results: dict) -> str:
+    lines = [
+        "| engine | decode tok/s | decode ms p50 / p95 | first token ms p50 / p95 | peak RSS MB | size MB "
+        "| roofline share |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, r in results.items():
+        lines.append(
+            f"| {name} | {r['decode_tokens_per_second']:.1f} | {r['decode_ms_p50']:.2f} / {r['decode_ms_p95']:.2f} "
+            f"| {r['first_token_ms_p50']:.0f} / {r['first_token_ms_p95']:.0f} | {r['peak_rss_mb']:.0f} "
+            f"| {r['size_mb']:.0f} | {r['share_of_roofline']:.0%} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    short = report["short"]
+    names = list(short)
+    panels = 3 if "long" in report else 2
+    figure, axes = plt.subplots(1, panels, figsize=(6 * panels, 5.5))
+    speeds = [short[n]["decode_tokens_per_second"] for n in names]
+    roofs = [short[n]["roofline_tokens_per_second"] for n in names]
+    y = np.arange(len(names))
+    axes[0].barh(y, roofs, color="#dddddd", label="memory-bandwidth roofline for its weight bytes")
+    axes[0].barh(
+        y, speeds, color=["#3b75af" if n.startswith("ortforge") else "#999999" for n in names], label="measured"
+    )
+    axes[0].set_yticks(y, names, fontsize=8)
+    axes[0].invert_yaxis()
+    axes[0].set_xlabel("decode tokens/s (128-token prompt, 64 new tokens)")
+    axes[0].legend(fontsize=7, loc="lower right")
+    axes[1].barh(y, [short[n]["first_token_ms_p50"] for n in names], color="#3b75af")
+    axes[1].set_yticks(y, [""] * len(names))
+    axes[1].invert_yaxis()
+    axes[1].set_xlabel("time to first token, ms (p50)")
+    if "long" in report:
+        chain = report["long"]["chain"]
+        labels = list(chain)
+        axes[2].barh(np.arange(len(labels)), [chain[n]["end_to_end_s"] for n in labels], color="#3b75af")
+        axes[2].set_xscale("log")
+        axes[2].set_yticks(np.arange(len(labels)), labels, fontsize=8)
+        axes[2].invert_yaxis()
+        axes[2].set_xlabel(
+            f"2,048-token prompt + 200 tokens, seconds (log); x{report['long']['x_lighter']:.0f} lighter"
+        )
+    figure.suptitle(f"{report['model']}: CPU generation side by side ({report['cpus']} cores)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--skip-long", action="store_true", help="only the short workload")
+    args = parser.parse_args(argv)
+    os.chdir(REPO)
+    if not paths.variant_dir(args.model, "int4").is_dir():
+        raise SystemExit(f"error: {paths.variant_dir(args.model, 'int4')} is missing; run `dvc repro` first")
+    bandwidth = memory_bandwidth_gb_s()
+    print(f"memory bandwidth (read + write, {os.cpu_count()} threads): {bandwidth:.1f} GB/s", flush=True)
+    text = REPO / "data" / "eval" / "GPL-3.txt"
+    report = {"model": args.model, "cpus": os.cpu_count(), "memory_bandwidth_gb_s": bandwidth, "rounds": args.rounds}
+    prompt_tokens, new_tokens = WORKLOADS["short"]
+    print("short workload", flush=True)
+    prompt = prompt_ids(paths.hf_dir(args.model), text, prompt_tokens)
+    report["short"] = run_workload(short_engines(args.model), prompt, new_tokens, args.rounds, bandwidth)
+    print(table(report["short"]))
+    if not args.skip_long:
+        prompt_tokens, new_tokens = WORKLOADS["long"]
+        print("long workload (the x-lighter chain)", flush=True)
+        prompt = prompt_ids(paths.hf_dir(args.model), text, prompt_tokens)
+        chain = run_workload(chain_engines(args.model), prompt, new_tokens, max(1, args.rounds - 1), bandwidth)
+        report["long"] = {"chain": chain, **lighter(chain)}
+        print(table(chain))
+        print(
+            f"x lighter than PyTorch without KV cache: {report['long']['x_lighter']:.1f}; "
+            f"than PyTorch with its KV cache: {report['long']['x_lighter_than_kv_cache']:.1f}"
+        )
+        for step, factor in report["long"]["steps"].items():
+            print(f"  {step}: x{factor:.2f}")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(RESULTS / "side_by_side.json", report)
+    plot(report, RESULTS / "side_by_side.png")
+    print(f"wrote {RESULTS / 'side_by_side.json'} and side_by_side.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
