@@ -8,7 +8,6 @@ child process only.
 
 from __future__ import annotations
 
-import resource
 import time
 from pathlib import Path
 
@@ -151,6 +150,8 @@ def measure(spec: dict, prompt: list[int], new_tokens: int, warmup: int, repeats
     """Run in a fresh process: load the engine, warm up, time `repeats` generations."""
     import os
 
+    from tasks.bench import peak_rss_mb
+
     started = time.perf_counter()
     kind = spec["kind"]
     if kind == "genai":
@@ -171,5 +172,5 @@ def measure(spec: dict, prompt: list[int], new_tokens: int, warmup: int, repeats
         "first_token_s": [first for first, _ in runs],
         "step_s": [list(steps) for _, steps in runs],
         "load_s": load,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "peak_rss_mb": peak_rss_mb(),
     }

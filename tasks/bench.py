@@ -72,8 +72,20 @@ def measure_engine(engine: str, model_dir: str, prompt: list[int], cfg: dict, se
         "step_s": [steps for _, steps in runs],
         "load_seconds": load_seconds,
         "threads": threads,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # Linux: KiB
+        "peak_rss_mb": peak_rss_mb(),
     }
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory. VmHWM belongs to the process image (reset by exec);
+    getrusage's ru_maxrss survives exec on Linux and would report the parent's peak after spawn."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def in_fresh_process(function, *args):
