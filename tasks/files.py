@@ -13,8 +13,36 @@ from pathlib import Path
 
 
 def _temporary_sibling(path: Path) -> Path:
-    # A sibling keeps the rename on one file system, so it is atomic.
+    # A sibling keeps the rename on one file system, so it is atomic. The pid in the name tells a
+    # later run whether its writer is still alive (see remove_abandoned_temporaries).
     return path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by someone else
+        return True
+    return True
+
+
+def remove_abandoned_temporaries(path: Path) -> list[Path]:
+    """Delete temporaries of path left by writers that died (SIGKILL, power loss) before renaming.
+
+    A temporary whose writer still runs is left alone: it may be another build of the same output.
+    """
+    removed = []
+    for tmp in Path(path).parent.glob(f".{Path(path).name}.tmp-*"):
+        pid = tmp.name.rsplit(".tmp-", 1)[1].split("-", 1)[0]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            if tmp.is_dir():
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                tmp.unlink(missing_ok=True)
+            removed.append(tmp)
+    return removed
 
 
 @contextlib.contextmanager
@@ -23,6 +51,7 @@ def atomic_output_dir(out_dir: Path) -> Iterator[Path]:
     out_dir = Path(out_dir)
     first_created = _first_missing_ancestor(out_dir.parent)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    remove_abandoned_temporaries(out_dir)
     tmp = _temporary_sibling(out_dir)
     tmp.mkdir()
     try:
@@ -62,6 +91,7 @@ def _remove_empty_parents(folder: Path, stop: Path | None) -> None:
 def atomic_write_text(path: Path, text: str) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_abandoned_temporaries(path)
     tmp = _temporary_sibling(path)
     try:
         tmp.write_text(text, encoding="utf-8")
