@@ -17,7 +17,7 @@ from fnmatch import fnmatch
 from pathlib import Path
 
 from ortforge.manifest import sha256_file
-from tasks import gguf_convert, paths
+from tasks import gguf_convert, paths, resources
 from tasks.files import atomic_output_dir, atomic_write_json, folder_bytes, megabytes
 from tasks.params import GGUFPackageSource, GGUFSource, HubSource, LocalSource, ModelSpec
 from tasks.stage import StageError, stage_cli
@@ -58,6 +58,7 @@ def run(spec: ModelSpec, out_dir: Path) -> DownloadResult:
         info, record = gguf_convert.inspect(gguf_path, source.sha256)
         if isinstance(source, GGUFPackageSource):
             record |= _package_record(source)
+        resources.check_room("download", resources.DOWNLOAD_GGUF_NEEDS, gguf_path, out_dir)
         with atomic_output_dir(out_dir) as tmp:
             gguf_convert.convert(gguf_path, info, tmp)
             _finish(tmp, spec, record)
@@ -66,6 +67,7 @@ def run(spec: ModelSpec, out_dir: Path) -> DownloadResult:
             folder, record = fetch_hub(source, allowed_patterns(spec))
         else:
             folder, record = _local_folder(source), {"kind": "local", "path": str(source.path)}
+        resources.check_room("download", resources.DOWNLOAD_FOLDER_NEEDS, folder, out_dir)
         with atomic_output_dir(out_dir) as tmp:
             copy_allowed(folder, tmp, allowed_patterns(spec))
             ensure_safetensors(tmp, spec)

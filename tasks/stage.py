@@ -19,6 +19,9 @@ if TYPE_CHECKING:
 
 __all__ = ["StageError", "StageArgs", "stage_cli"]
 
+# Path flags a stage writes; every other path flag is an input.
+OUTPUT_FLAGS = ("out", "report", "runtime", "md", "png", "json")
+
 
 @dataclass(frozen=True)
 class StageArgs:
@@ -74,8 +77,21 @@ def stage_cli(
             flag: getattr(args, flag.replace("-", "_")) or _default_path(path_of, args.model, chosen_variant)
             for flag, path_of in path_flags.items()
         }
+        preflight(stage, resolved)
         body(StageArgs(params, args.model, chosen_variant, resolved, pins_file))
     except StageError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     return 0
+
+
+def preflight(stage: str, paths: dict[str, Path]) -> None:
+    """Before heavy work: every output can be written, and disk and memory hold the estimate."""
+    from tasks import resources
+
+    outputs = [paths[flag] for flag in OUTPUT_FLAGS if flag in paths]
+    for output in outputs:
+        resources.check_writable(output)
+    needs = resources.STAGE_NEEDS.get(stage)
+    if needs is not None:
+        resources.check_room(stage, needs, paths[needs.input_flag], outputs[0])

@@ -21,6 +21,7 @@ INFRASTRUCTURE = {
     "tasks/stage.py",
     "tasks/paths.py",
     "tasks/files.py",
+    "tasks/resources.py",  # preflight checks: they stop a stage, never shape its output
 }
 
 

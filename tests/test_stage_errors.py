@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -57,6 +58,60 @@ def unknown_model(tmp, built):
     return ["tasks.reference", "--model", "gpt-9", "--hf", str(built["hf"])]
 
 
+def unknown_algorithm(tmp, built):
+    params = tiny_params(built["hf"])
+    params["quantize"]["int4"]["algorithm"] = "awq"
+    write_params(tmp, params)
+    return quantize_args(built, "int4")
+
+
+def wrong_type(tmp, built):
+    params = tiny_params(built["hf"])
+    params["quantize"]["int4"]["block_size"] = "big"
+    write_params(tmp, params)
+    return quantize_args(built, "int4")
+
+
+def out_of_range(tmp, built):
+    params = tiny_params(built["hf"])
+    params["validate"]["eval"]["max_tokens"] = -5
+    write_params(tmp, params)
+    return ["tasks.reference", "--model", "tiny", "--hf", str(built["hf"])]
+
+
+def empty_model_folder(tmp, built):
+    write_params(tmp, tiny_params(built["hf"]))
+    (tmp / "empty").mkdir()
+    return ["tasks.export", "--model", "tiny", "--hf", str(tmp / "empty")]
+
+
+def empty_local_source(tmp, built):
+    (tmp / "empty").mkdir()
+    write_params(tmp, tiny_params(tmp / "empty"))
+    return ["tasks.download", "--model", "tiny"]
+
+
+def hub_id_offline(tmp, built):
+    params = tiny_params(built["hf"])
+    params["models"]["tiny"]["source"] = {"kind": "hub", "repo_id": "org/absent", "revision": "a" * 40}
+    write_params(tmp, params)
+    (tmp / "hf-home").mkdir()
+    return ["tasks.download", "--model", "tiny"], {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp / "hf-home")}
+
+
+def output_under_a_file(tmp, built):
+    write_params(tmp, tiny_params(built["hf"]))
+    (tmp / "a-file").write_text("not a folder")
+    args = ["tasks.export", "--model", "tiny", "--hf", str(built["hf"])]
+    return args, {}, tmp / "a-file" / "onnx"
+
+
+def output_under_read_only_folder(tmp, built):
+    write_params(tmp, tiny_params(built["hf"]))
+    # /proc refuses new entries even to root, which chmod cannot show.
+    return ["tasks.export", "--model", "tiny", "--hf", str(built["hf"])], {}, Path("/proc/ortforge-test/onnx")
+
+
 CASES = [
     (misspelled_key, "quantize.int4: unknown key `blok_size`; did you mean `block_size`?"),
     (unknown_variant, "unknown variant `int3`; params.yaml `quantize` has: fp32, int8, int4"),
@@ -64,14 +119,25 @@ CASES = [
     (truncated_gguf, "cut.gguf is truncated or corrupt"),
     (unsupported_architecture, "model_type `mystery-net`"),
     (unknown_model, "unknown model `gpt-9`"),
+    (unknown_algorithm, "quantize.int4.algorithm: Input should be 'rtn', 'imatrix', 'hqq' or 'gptq'"),
+    (wrong_type, "quantize.int4.block_size: Input should be a valid integer"),
+    (out_of_range, "validate.eval.max_tokens: Input should be greater than or equal to"),
+    (empty_model_folder, "empty has no config.json; run the download stage first"),
+    (empty_local_source, "has no config.json"),
+    (hub_id_offline, "cannot fetch org/absent@aaaaaaaaaaaa: the Hub is unreachable or offline"),
+    (output_under_a_file, "a-file is a file, not a folder; choose another output path"),
+    (output_under_read_only_folder, "/proc is not writable; fix its permissions or choose another path"),
 ]
 
 
 @pytest.mark.parametrize("make_case, message", CASES, ids=[case[0].__name__ for case in CASES])
 def test_stage_rejects_bad_input_in_one_line(built, tmp_path, make_case, message):
-    args = make_case(tmp_path, built) + ["--out", str(tmp_path / "out" / "result")]
+    case = make_case(tmp_path, built)
+    # A case gives its arguments, and optionally an environment and an output path of its own.
+    args, env, out = (case, {}, None) if isinstance(case, list) else (*case, None)[:3]
+    args += ["--out", str(out or tmp_path / "out" / "result")]
     before = set(tmp_path.iterdir())
-    result = run_module(*args, cwd=tmp_path)
+    result = run_module(*args, cwd=tmp_path, env=env)
     assert result.returncode == 2, result.stderr[-2000:]
     error_lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(error_lines) == 1 and message in error_lines[0], result.stderr[-2000:]

@@ -1,0 +1,60 @@
+"""Before heavy work, a stage checks free disk and memory against an estimate from its input's size,
+and stops with one line instead of dying halfway."""
+
+from __future__ import annotations
+
+from collections import namedtuple
+
+import pytest
+
+from tasks import export, resources
+from tests.conftest import tiny_params, write_params
+
+DiskUsage = namedtuple("DiskUsage", "total used free")
+Memory = namedtuple("Memory", "total available")
+
+
+@pytest.fixture
+def stage_dir(built, tmp_path, monkeypatch):
+    write_params(tmp_path, tiny_params(built["hf"]))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(resources.SKIP_ENV, raising=False)
+    return tmp_path
+
+
+def run_export(built, out):
+    return export.main(["--model", "tiny", "--hf", str(built["hf"]), "--out", str(out)])
+
+
+def test_stage_stops_when_disk_is_short(built, stage_dir, monkeypatch, capsys):
+    monkeypatch.setattr(resources.shutil, "disk_usage", lambda path: DiskUsage(10**12, 10**12, 1000))
+    assert run_export(built, stage_dir / "out" / "onnx") == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("error: export needs about") and "free disk space, or set" in error
+    assert "1000" not in error and "0.0 GB free" in error
+    assert not (stage_dir / "out").exists()
+
+
+def test_stage_stops_when_memory_is_short(built, stage_dir, monkeypatch, capsys):
+    monkeypatch.setattr(resources.psutil, "virtual_memory", lambda: Memory(10**10, 1000))
+    assert run_export(built, stage_dir / "out" / "onnx") == 2
+    assert "GB of memory" in capsys.readouterr().err
+    assert not (stage_dir / "out").exists()
+
+
+def test_estimate_scales_with_input_and_can_be_overridden(built, stage_dir, monkeypatch):
+    size = resources.input_bytes(built["hf"])
+    needs = resources.STAGE_NEEDS["export"]
+    free = int(needs.disk * size * 0.9)  # just short of the estimate
+    monkeypatch.setattr(resources.shutil, "disk_usage", lambda path: DiskUsage(10**12, 0, free))
+    with pytest.raises(resources.StageError, match="export needs about"):
+        resources.check_room("export", needs, built["hf"], stage_dir / "onnx")
+    monkeypatch.setenv(resources.SKIP_ENV, "1")
+    resources.check_room("export", needs, built["hf"], stage_dir / "onnx")
+
+
+def test_every_heavy_stage_has_an_estimate():
+    from tests.test_contract import STAGES
+
+    # download checks its source itself (its input is a params entry); report reads small JSON.
+    assert set(resources.STAGE_NEEDS) == set(STAGES) - {"download", "report"}
