@@ -76,8 +76,19 @@ def runtime_config(model_dir: Path) -> Path:
 
 
 def create_session(model_dir: Path, settings: SessionSettings | None = None) -> ort.InferenceSession:
+    """A CPU session for the artifact in model_dir; ValueError if its weights point outside it."""
     model_dir = Path(model_dir)
     settings = settings or SessionSettings.for_artifact(model_dir)
-    return ort.InferenceSession(
-        str(model_dir / MODEL_FILE), settings.session_options(), providers=["CPUExecutionProvider"]
-    )
+    try:
+        return ort.InferenceSession(
+            str(model_dir / MODEL_FILE), settings.session_options(), providers=["CPUExecutionProvider"]
+        )
+    except Exception as error:
+        # onnxruntime refuses external data outside the model's folder (absolute, "..", or a link
+        # leading out); say so in one line instead of its C++ trace.
+        if "External data path" in str(error):
+            raise ValueError(
+                f"{model_dir / MODEL_FILE} points its weights outside {model_dir}; refusing to load it: "
+                "rebuild the artifact or fetch it again from the DVC remote"
+            ) from None
+        raise

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ortforge.manifest import sha256_file
 from tasks.errors import StageError
+from tasks.weights import check_gguf_header
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,7 @@ def read_info(path: Path) -> GGUFInfo:
     """Parse the GGUF header and check every tensor's bytes are in the file (truncation shows here)."""
     from gguf import GGUFReader
 
+    check_gguf_header(path)
     try:
         reader = GGUFReader(path)
     except Exception as error:  # the reader raises bare ValueError/IndexError on damaged files

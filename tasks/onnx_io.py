@@ -7,6 +7,7 @@ from collections import Counter
 from pathlib import Path
 
 from ortforge.names import MODEL_FILE
+from tasks.errors import StageError
 
 # protobuf cannot serialize 2 GiB; leave room for the graph itself.
 EXTERNAL_DATA_ABOVE_BYTES = 1_800_000_000
@@ -30,9 +31,15 @@ def save(model, folder: Path) -> Path:
 
 
 def load(folder: Path, with_weights: bool = True):
+    """The graph in folder/model.onnx; StageError if its external data lies outside folder."""
     import onnx
 
-    return onnx.load(str(Path(folder) / MODEL_FILE), load_external_data=with_weights)
+    try:
+        return onnx.load(str(Path(folder) / MODEL_FILE), load_external_data=with_weights)
+    except onnx.checker.ValidationError as error:
+        # onnx refuses absolute, "..", and symlinked external data paths: an untrusted model must
+        # not read files outside its folder.
+        raise StageError(f"{Path(folder) / MODEL_FILE}: refusing its external data ({error}); rebuild it") from None
 
 
 def op_counts(model) -> dict[str, int]:

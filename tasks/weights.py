@@ -33,3 +33,32 @@ def check_safetensors(path: Path) -> None:
     needed = 8 + header_len + max(ends, default=0)
     if size < needed:
         raise StageError(f"safetensors file {path} is truncated (needs {needed} bytes, has {size}); re-download it")
+
+
+GGUF_MAGIC = b"GGUF"
+# The smallest possible entries: a key/value is a length-prefixed key (8 + 1 bytes) and a type
+# (4 bytes); a tensor info is a length-prefixed name, dimension count, one dimension, type, offset.
+MIN_GGUF_KV_BYTES = 8 + 1 + 4
+MIN_GGUF_TENSOR_INFO_BYTES = 8 + 1 + 4 + 8 + 4 + 8
+
+
+def check_gguf_header(path: Path) -> None:
+    """Raise StageError unless path starts like a GGUF file whose counts fit in the file.
+
+    The gguf reader trusts the tensor and key/value counts and loops over them; a damaged or hostile
+    header claiming billions of entries must be refused before that.
+    """
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        head = handle.read(24)
+    if len(head) < 24 or head[:4] != GGUF_MAGIC:
+        raise StageError(f"GGUF file {path} is truncated or corrupt (no GGUF header); re-download it")
+    version, tensors, kvs = struct.unpack("<IQQ", head[4:])
+    if version not in (2, 3):
+        raise StageError(f"GGUF file {path} has version {version}; only versions 2 and 3 are read")
+    claimed = tensors * MIN_GGUF_TENSOR_INFO_BYTES + kvs * MIN_GGUF_KV_BYTES
+    if claimed > size:
+        raise StageError(
+            f"GGUF file {path} is truncated or corrupt: its header claims {tensors} tensors and {kvs} "
+            f"metadata entries, more than its {size} bytes can hold; re-download it"
+        )

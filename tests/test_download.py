@@ -126,6 +126,26 @@ def with_truncated_safetensors(tiny_hf: Path, dest: Path) -> Path:
     return dest
 
 
+def with_huge_counts(gguf: Path, dest: Path) -> Path:
+    """A GGUF whose header claims 2**60 tensors: the reader would loop over them before noticing."""
+    import struct
+
+    data = bytearray(gguf.read_bytes())
+    data[8:16] = struct.pack("<Q", 2**60)
+    dest.write_bytes(bytes(data))
+    return dest
+
+
+def with_oversized_safetensors_header(tiny_hf: Path, dest: Path) -> Path:
+    """A safetensors file whose header claims 1 TiB: reading it would allocate that much."""
+    import struct
+
+    shutil.copytree(tiny_hf, dest)
+    body = (tiny_hf / "model.safetensors").read_bytes()
+    (dest / "model.safetensors").write_bytes(struct.pack("<Q", 2**40) + body[8:])
+    return dest
+
+
 BAD_SOURCES = [
     ("missing folder", lambda h, g, t: dict(kind="local", path=str(t / "nowhere")), "does not exist"),
     ("folder without config", lambda h, g, t: dict(kind="local", path=str(t)), "has no config.json"),
@@ -155,6 +175,16 @@ BAD_SOURCES = [
         "remote code",
         lambda h, g, t: dict(kind="local", path=str(with_remote_code(h, t / "r"))),
         "trust_remote_code: true",
+    ),
+    (
+        "gguf header claiming 2**60 tensors",
+        lambda h, g, t: dict(kind="gguf", path=str(with_huge_counts(g, t / "huge.gguf"))),
+        "header claims 1152921504606846976 tensors",
+    ),
+    (
+        "safetensors header claiming 1 TiB",
+        lambda h, g, t: dict(kind="local", path=str(with_oversized_safetensors_header(h, t / "o"))),
+        r"has a corrupt or truncated header \(claims 1099511627776 bytes",
     ),
     (
         "truncated safetensors",
