@@ -56,8 +56,12 @@ def validation_stamp(folder: Path) -> Path:
     return folder.with_name(folder.name + VALIDATION_SUFFIX)
 
 
-def check_validated(folder: Path) -> dict:
-    """The stamp of a variant that passed validation, unchanged since; ValueError otherwise."""
+def check_validated(folder: Path, verify_files: bool = True) -> dict:
+    """The stamp of a variant that passed validation, unchanged since; ValueError otherwise.
+
+    The stamp vouches for the manifest, and the manifest for every file: with verify_files (the
+    default; it hashes the folder once) a file modified in place after validation is caught too.
+    """
     stamp = validation_stamp(folder)
     if not stamp.is_file():
         raise ValueError(f"{folder} has no validation stamp {stamp.name}: it was not validated or it failed")
@@ -65,4 +69,10 @@ def check_validated(folder: Path) -> dict:
     actual = sha256_file(Path(folder) / MANIFEST_FILE)
     if not record.get("passed") or record.get("manifest_sha256") != actual:
         raise ValueError(f"{stamp} does not vouch for {folder} as it is now (manifest sha256 {actual[:12]})")
+    changed = mismatched_files(folder) if verify_files else []
+    if changed:
+        raise ValueError(
+            f"{folder} changed after validation ({', '.join(changed)} differ from its manifest); "
+            "restore it with `dvc checkout` or rebuild it"
+        )
     return record
