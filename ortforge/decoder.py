@@ -23,6 +23,10 @@ from ortforge import names
 
 ORT_TO_NUMPY = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 INITIAL_CAPACITY = 256
+NOT_PICKLABLE = (
+    "an onnxruntime session cannot be pickled or sent to another process; create a TextGenerator "
+    "(or Decoder) from the artifact folder inside each process instead"
+)
 
 
 @dataclass
@@ -67,6 +71,9 @@ class Decoder:
         self._arrays: list[np.ndarray] = []
         empty = np.zeros((1, self.kv_heads, 0, self.head_dim), self.kv_dtype)
         self._empty = ort.OrtValue.ortvalue_from_numpy(empty)
+
+    def __reduce__(self):
+        raise TypeError(NOT_PICKLABLE)
 
     def empty_cache(self) -> KVCache:
         return KVCache(0, [] if self.shared else [self._empty] * len(self._past))

@@ -7,13 +7,14 @@ only (no torch, transformers, Prefect or DVC).
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
 from tokenizers import Tokenizer
 
-from ortforge.decoder import Decoder
+from ortforge.decoder import NOT_PICKLABLE, Decoder
 from ortforge.names import GENERATION_CONFIG_FILE
 from ortforge.session import SessionSettings, create_session
 
@@ -57,13 +58,30 @@ class IncrementalDetokenizer:
 
 
 class TextGenerator:
-    """An artifact folder (model.onnx, tokenizer.json, generation_config.json) ready to generate."""
+    """An artifact folder (model.onnx, tokenizer.json, generation_config.json) ready to generate.
+
+    Safe to share between threads: the onnxruntime session is shared (its runs are thread-safe),
+    and each thread gets its own decoder, so its own KV buffers and I/O binding. Not picklable: a
+    process (spawn, fork or a worker pool) creates its own TextGenerator from the folder.
+    """
 
     def __init__(self, model_dir: Path, settings: SessionSettings | None = None):
         model_dir = Path(model_dir)
-        self.decoder = Decoder(create_session(model_dir, settings))
+        self.session = create_session(model_dir, settings)
         self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         self.stop_ids = _eos_ids(model_dir / GENERATION_CONFIG_FILE)
+        self._per_thread = threading.local()
+
+    def __reduce__(self):
+        raise TypeError(NOT_PICKLABLE)
+
+    @property
+    def decoder(self) -> Decoder:
+        """This thread's decoder over the shared session, created on first use."""
+        decoder = getattr(self._per_thread, "decoder", None)
+        if decoder is None:
+            decoder = self._per_thread.decoder = Decoder(self.session)
+        return decoder
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
