@@ -93,7 +93,7 @@ def gguf_file(model: str) -> Path | None:
         import llama_cpp  # noqa: F401
     except ImportError:
         return None
-    source = json.loads((paths.hf_dir(model) / paths.SOURCE_FILE).read_text())
+    source = json.loads((paths.hf_dir(model) / paths.SOURCE_FILE).read_text(encoding="utf-8"))
     if source.get("kind") == "gguf_package":
         import importlib.metadata
 

@@ -15,7 +15,7 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from flows.dvc import reproduce
+from flows.dvc import build_lock, reproduce
 from tasks import paths
 from tasks.params import load_params
 
@@ -45,10 +45,11 @@ def build(root: Path = Path("."), models: list[str] | None = None) -> dict[str, 
     logger = get_run_logger()
     root = Path(root).resolve()
     names = models or list(load_params(root / paths.PARAMS).models)
-    executed = {f"download@{name}": download(root, name) for name in names}
-    for name in names:
-        executed[f"report@{name}"] = build_model(root, name)
-        publish_report(root, name)
+    with build_lock(root, say=logger.info):
+        executed = {f"download@{name}": download(root, name) for name in names}
+        for name in names:
+            executed[f"report@{name}"] = build_model(root, name)
+            publish_report(root, name)
     ran = sorted({stage for stages in executed.values() for stage in stages})
     logger.info("stages executed: %s", ", ".join(ran) if ran else "none (everything was up to date)")
     return executed

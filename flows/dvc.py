@@ -4,20 +4,59 @@ a Dask or Prefect worker needs nothing but the repository."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
 import re
 import subprocess
 import sys
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 STAGE_STARTED = re.compile(r"Running stage '([^']+)'")
+# What DVC prints when another DVC process holds the repository or a stage's outputs.
+DVC_LOCKED = ("is busy, it is being blocked by", "Unable to acquire lock")
+BUILD_LOCK = Path(".dvc/tmp/ortforge-build.lock")
 
 
 class DvcFailed(RuntimeError):
     pass
 
 
-def dvc(root: Path, *args: str, echo: bool = True) -> str:
-    """Run `dvc args...` in root, echoing its output line by line; return the output."""
+class BuildBusy(RuntimeError):
+    pass
+
+
+@contextlib.contextmanager
+def build_lock(root: Path, wait: bool = True, say: Callable[[str], object] = print) -> Iterator[None]:
+    """Hold this repository's build lock: a second build waits for the first (or, with wait=False,
+    stops with BuildBusy), instead of racing it for DVC's locks halfway through. The kernel drops
+    the lock when its holder dies, so a killed build never blocks the next one."""
+    path = Path(root) / BUILD_LOCK
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+", encoding="utf-8") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = path.read_text(encoding="utf-8").strip() or "another process"
+            if not wait:
+                raise BuildBusy(f"another build ({holder}) is running in {root}; wait for it to finish") from None
+            say(f"waiting for another build ({holder}) in {root} to finish")
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        handle.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def dvc(root: Path, *args: str, echo: bool | Callable[[str], object] = True) -> str:
+    """Run `dvc args...` in root, passing its output line by line to echo (print when True); return it."""
+    say = print if echo is True else echo or None
     lines: list[str] = []
     with subprocess.Popen(
         [sys.executable, "-m", "dvc", *args],
@@ -29,15 +68,42 @@ def dvc(root: Path, *args: str, echo: bool = True) -> str:
         errors="replace",
     ) as process:
         for line in process.stdout:
-            if echo:
-                print(line.rstrip())
+            if say:
+                say(line.rstrip())
             lines.append(line.rstrip())
     if process.returncode != 0:
         errors = [line for line in lines[-20:] if "error" in line.lower()] or lines[-3:]
+        if any(marker in line for line in errors for marker in DVC_LOCKED):
+            errors.insert(0, "another DVC process is working in this repository; wait for it to finish, then retry")
         raise DvcFailed(f"`dvc {' '.join(args)}` failed in {root}: {' | '.join(errors)}")
     return "\n".join(lines)
 
 
-def reproduce(root: Path, targets: list[str] | None = None) -> list[str]:
-    """`dvc repro`; returns the stages whose commands actually executed."""
-    return STAGE_STARTED.findall(dvc(root, "repro", *(targets or [])))
+def reproduce(
+    root: Path, targets: list[str] | None = None, *options: str, echo: bool | Callable[[str], object] = True
+) -> list[str]:
+    """`dvc repro [options] [targets]`; returns the stages whose commands actually executed."""
+    return STAGE_STARTED.findall(dvc(root, "repro", *options, *(targets or []), echo=echo))
+
+
+def planned_stages(root: Path, targets: list[str] | None = None, *options: str) -> list[str]:
+    """The stages `dvc repro [options]` would run now, in order (a dry run: nothing executes)."""
+    return reproduce(root, targets, "--dry", *options, echo=False)
+
+
+def stale_reasons(root: Path, targets: list[str] | None = None) -> dict[str, list[str]]:
+    """Why each stale stage would rerun, from `dvc status`: its changed deps, params and outputs."""
+    import json
+
+    status = json.loads(dvc(root, "status", "--json", *(targets or []), echo=False) or "{}")
+    reasons: dict[str, list[str]] = {}
+    for stage, entries in status.items():
+        for entry in entries:
+            if isinstance(entry, str):
+                reasons.setdefault(stage, []).append(entry)
+                continue
+            for kind, changed in entry.items():
+                for path, change in changed.items():
+                    what = ", ".join(change) if isinstance(change, dict) else change
+                    reasons.setdefault(stage, []).append(f"{kind}: {path} ({what})")
+    return reasons

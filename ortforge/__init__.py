@@ -1,21 +1,26 @@
 """ortforge runtime: load a built artifact and generate with its KV cache.
 
 Depends on onnxruntime, numpy and tokenizers only, so a service that ships an artifact needs
-neither torch nor the build tools.
+neither torch nor the build tools. Names load on first use, so `ortforge --help` stays instant.
 """
 
-from ortforge.decoder import Decoder, KVCache
-from ortforge.generate import IncrementalDetokenizer, TextGenerator, greedy_tokens
-from ortforge.manifest import check_validated
-from ortforge.session import SessionSettings, create_session
+import importlib
 
-__all__ = [
-    "Decoder",
-    "IncrementalDetokenizer",
-    "KVCache",
-    "SessionSettings",
-    "TextGenerator",
-    "check_validated",
-    "create_session",
-    "greedy_tokens",
-]
+_EXPORTS = {
+    "Decoder": "ortforge.decoder",
+    "KVCache": "ortforge.decoder",
+    "IncrementalDetokenizer": "ortforge.generate",
+    "TextGenerator": "ortforge.generate",
+    "greedy_tokens": "ortforge.generate",
+    "check_validated": "ortforge.manifest",
+    "SessionSettings": "ortforge.session",
+    "create_session": "ortforge.session",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'ortforge' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

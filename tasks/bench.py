@@ -80,7 +80,7 @@ def peak_rss_mb() -> float:
     """This process's peak resident memory. VmHWM belongs to the process image (reset by exec);
     getrusage's ru_maxrss survives exec on Linux and would report the parent's peak after spawn."""
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
+        for line in Path("/proc/self/status").read_text(encoding="utf-8").splitlines():
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024
     except OSError:

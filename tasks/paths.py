@@ -69,5 +69,9 @@ def report_png(model: str) -> Path:
     return REPORTS / model / "report.png"
 
 
+def report_html(model: str) -> Path:
+    return REPORTS / model / "report.html"
+
+
 def report_json(model: str) -> Path:
     return REPORTS / model / "report.json"

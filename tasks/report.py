@@ -3,7 +3,7 @@ Pareto front, and the variant a rule in params.yaml recommends.
 
 Reads reports/<model>/variants/<variant>/{validate,bench}.json for the variants in params.yaml
 `quantize` and params.yaml `report`; writes reports/<model>/report.md, report.png and report.json
-(the recommendation and the front, for scripts).
+(the recommendation and the front, for scripts) and report.html (table and plots in one offline page).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tasks import paths
+from tasks import paths, report_html
 from tasks.files import atomic_write_json, atomic_write_text, read_json
 from tasks.params import ReportConfig
 from tasks.stage import StageError, stage_cli
@@ -191,6 +191,8 @@ def run(model: str, variants: list[str], cfg: ReportConfig, reports_dir: Path, o
     text = markdown(model, rows, baseline, front, best, cfg, workload)
     atomic_write_text(out["md"], text)
     plot(model, rows, baseline, front, best, out["png"])
+    figures = report_html.figures_for(rows, baseline, out["png"])
+    atomic_write_text(out["html"], report_html.render(f"ortforge: {model}", text, figures))
     summary = {
         "recommended": best.variant if best else None,
         "rule": cfg.model_dump(),
@@ -198,7 +200,8 @@ def run(model: str, variants: list[str], cfg: ReportConfig, reports_dir: Path, o
         "variants": {row.variant: asdict(row) for row in rows},
     }
     atomic_write_json(out["json"], summary)
-    log.info("wrote %s, %s and %s; recommended %s", out["md"], out["png"], out["json"], summary["recommended"])
+    written = ", ".join(str(out[key]) for key in ("md", "png", "html", "json"))
+    log.info("wrote %s; recommended %s", written, summary["recommended"])
     return summary
 
 
@@ -207,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         "reports": paths.variant_reports,
         "md": paths.report_md,
         "png": paths.report_png,
+        "html": paths.report_html,
         "json": paths.report_json,
     }
 

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 __all__ = ["StageError", "StageArgs", "stage_cli"]
 
 # Path flags a stage writes; every other path flag is an input.
-OUTPUT_FLAGS = ("out", "report", "runtime", "md", "png", "json")
+OUTPUT_FLAGS = ("out", "report", "runtime", "md", "png", "html", "json")
 
 
 @dataclass(frozen=True)

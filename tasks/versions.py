@@ -24,7 +24,7 @@ STAGE_TOOLS: dict[str, tuple[str, ...]] = {
     "quantize": ("onnxruntime", "onnx", "onnx-ir", "numpy", "torch", "tokenizers"),
     "validate": ("onnxruntime", "tokenizers", "numpy"),
     "bench": ("onnxruntime", "torch", "transformers", "tokenizers", "numpy"),
-    "report": ("matplotlib",),
+    "report": ("matplotlib", "markdown"),
 }
 # The stages whose tools end up in a variant's lineage, as its manifest records them.
 VARIANT_LINEAGE = ("download", "export", "optimize", "quantize")

@@ -25,7 +25,8 @@ def test_dvc_repro_builds_all_then_nothing_then_only_what_changed(project):
     assert set(dvc_repro(project)) == ALL_STAGES
     assert (project / "dvc.lock").is_file()
     table = (project / "reports" / "tiny" / "report.md").read_text()
-    assert all(f"| {variant} | yes |" in table for variant in ("fp32", "int8", "int4"))
+    # Each variant has a row; whether it is on the Pareto front depends on this machine's timings.
+    assert all(f"\n| {variant} | " in table for variant in ("fp32", "int8", "int4"))
 
     assert dvc_repro(project) == []
 
@@ -72,19 +73,52 @@ def prefect_server():
         yield
 
 
-def test_flow_builds_publishes_table_and_then_runs_nothing(project, prefect_server):
+# A fake Hugging Face token: every process of the build sees it, and it must show up nowhere.
+SECRET = "hf_SENTINELdoNotLeak0123456789abcdef"
+
+
+def prefect_records() -> list[str]:
+    """Every log line and artifact the Prefect server holds, as text."""
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+
+    async def read_all() -> list[str]:
+        texts: list[str] = []
+        async with get_client() as client:
+            for read in (client.read_logs, client.read_artifacts):
+                offset = 0
+                while page := await read(limit=200, offset=offset):
+                    texts += [record.model_dump_json() for record in page]
+                    offset += len(page)
+        return texts
+
+    return asyncio.run(read_all())
+
+
+def test_flow_builds_publishes_table_and_then_runs_nothing(project, prefect_server, monkeypatch, capfd):
     from prefect.artifacts import Artifact
 
     from flows import build as flows_build
 
+    monkeypatch.setenv("HF_TOKEN", SECRET)
     executed = flows_build.build(root=project)
     assert set(executed["download@tiny"]) == {"download@tiny"}
     assert set(executed["report@tiny"]) == ALL_STAGES - {"download@tiny"}
     artifact = Artifact.get("report-tiny")
-    assert artifact is not None and "| int4 | yes |" in artifact.data
+    assert artifact is not None and "\n| int4 | " in artifact.data
 
     again = flows_build.build(root=project)
     assert again == {"download@tiny": [], "report@tiny": []}
+
+    # The token never lands in a log, manifest, report, lock file, DVC's cache or a Prefect record.
+    records = prefect_records()
+    assert any("Running stage" in record for record in records)  # the logs were really read
+    output = capfd.readouterr()
+    assert SECRET not in output.out + output.err
+    assert not [record for record in records if SECRET in record]
+    leaked = [p for p in project.rglob("*") if p.is_file() and SECRET.encode() in p.read_bytes()]
+    assert leaked == []
 
 
 def test_flow_download_retries_transient_errors(prefect_server, monkeypatch):

@@ -50,9 +50,13 @@ def fake_reports(folder, figures=FIGURES):
         (folder / variant / "bench.json").write_text(json.dumps(bench))
 
 
+def report_outputs(folder):
+    return {name: folder / f"r.{name}" for name in ("md", "png", "html", "json")}
+
+
 @pytest.fixture
 def outputs(tmp_path):
-    return {"md": tmp_path / "r.md", "png": tmp_path / "r.png", "json": tmp_path / "r.json"}
+    return report_outputs(tmp_path)
 
 
 def test_run_marks_front_and_recommends_by_rule(tmp_path, outputs):

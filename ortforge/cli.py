@@ -1,0 +1,196 @@
+"""The `ortforge` command: build, inspect and run artifacts over the same functions the DAG uses.
+
+    ortforge build [--model M]         reproduce the DAG (all models, or one), with a progress bar
+    ortforge status                    what is stale and why, from DVC
+    ortforge bench [--model M]         measure every variant again on this machine, then report
+    ortforge report [--model M]        print the results table (and where its offline HTML page is)
+    ortforge generate M "prompt"       stream tokens from a validated variant through the runtime
+    ortforge doctor                    versions, CPU features, threads, free disk and memory
+
+Heavy libraries load inside the commands that need them, so `--help` answers at once. Every
+expected failure is one line, `error: ...`, naming the bad value and the fix, with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+EXIT_USAGE = 2
+
+
+class CliError(Exception):
+    """A one-line error for the user."""
+
+
+def _utf8_streams() -> None:
+    # Prompts, tokens and reports are UTF-8 whatever the locale: under LANG=C (with Python's locale
+    # coercion off) stdout would otherwise be ASCII and the first Hangul or emoji would raise.
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(encoding="utf-8", errors="replace")
+
+
+def _argument_text(value: str) -> str:
+    """A command-line argument as the UTF-8 the user typed (a C locale decodes argv as ASCII)."""
+    return os.fsencode(value).decode("utf-8", errors="replace")
+
+
+def _models(root: Path, chosen: str | None) -> list[str]:
+    from tasks import paths
+    from tasks.params import load_params
+
+    params = load_params(root / paths.PARAMS)
+    if chosen is not None:
+        params.model(chosen)  # an unknown model stops here, naming the known ones
+        return [chosen]
+    return list(params.models)
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    from flows.dvc import build_lock
+    from flows.progress import reproduce_with_progress
+
+    targets = [f"report@{model}" for model in _models(args.root, args.model)] if args.model else None
+    with build_lock(args.root, wait=not args.no_wait, say=lambda line: print(line, file=sys.stderr)):
+        ran = reproduce_with_progress(args.root, targets)
+    print(f"{len(ran)} stage(s) executed" if ran else "everything was up to date; no stage executed")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from flows.dvc import stale_reasons
+
+    reasons = stale_reasons(args.root)
+    if not reasons:
+        print("up to date: `dvc repro` would execute no stage")
+        return 0
+    for stage, why in reasons.items():
+        print(f"{stage}: {'; '.join(why)}")
+    print(f"{len(reasons)} stage(s) stale; downstream stages rerun too if their inputs change. Run `ortforge build`.")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from flows.dvc import build_lock
+    from flows.progress import reproduce_with_progress
+
+    models = _models(args.root, args.model)
+    with build_lock(args.root, wait=not args.no_wait, say=lambda line: print(line, file=sys.stderr)):
+        for model in models:
+            # Forced: the point is a fresh measurement on this machine, not DVC's cached figures.
+            reproduce_with_progress(args.root, [f"bench@{model}-*"], "--force", "--single-item", "--glob")
+            reproduce_with_progress(args.root, [f"report@{model}"])
+    return cmd_report(args)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from tasks import paths
+
+    for model in _models(args.root, args.model):
+        table = args.root / paths.report_md(model)
+        if not table.is_file():
+            raise CliError(f"{table} does not exist yet; run `ortforge build --model {model}` first")
+        print(table.read_text(encoding="utf-8"))
+        print(f"plots and table in one offline page: {args.root / paths.report_html(model)}\n")
+    return 0
+
+
+def _variant_to_run(root: Path, model: str, variant: str | None) -> Path:
+    from ortforge.manifest import check_validated
+    from tasks import paths
+    from tasks.files import read_json
+
+    if variant is None:
+        summary = root / paths.report_json(model)
+        if not summary.is_file():
+            raise CliError(f"{summary} does not exist, so no variant is recommended yet; pass --variant or build first")
+        variant = read_json(summary)["recommended"]
+        if variant is None:
+            raise CliError(f"no variant of {model} is within the report's quality budget; pass --variant")
+    folder = root / paths.variant_dir(model, variant)
+    if not folder.is_dir():
+        raise CliError(f"{folder} does not exist; check the variant name or run `ortforge build --model {model}`")
+    check_validated(folder)  # never run an artifact that failed validation or changed since
+    return folder
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from ortforge.generate import TextGenerator
+
+    _models(args.root, args.model)
+    folder = _variant_to_run(args.root, args.model, args.variant)
+    prompt = sys.stdin.buffer.read().decode("utf-8") if args.prompt == "-" else _argument_text(args.prompt)
+    print(f"[{args.model}/{folder.name}]", file=sys.stderr)
+    for piece in TextGenerator(folder).stream(prompt, args.max_new_tokens):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from ortforge.doctor import report
+
+    for line in report(args.root):
+        print(line)
+    return 0
+
+
+def _expected_errors() -> tuple[type[BaseException], ...]:
+    from flows.dvc import BuildBusy, DvcFailed
+    from tasks.errors import StageError
+
+    # ValueError: the runtime's refusals (an unvalidated or changed artifact, weights outside it).
+    return (CliError, StageError, DvcFailed, BuildBusy, ValueError)
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="ortforge", description=__doc__.splitlines()[0])
+    top.add_argument("--root", type=Path, default=Path("."), help="the repository root (default: .)")
+    commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, handler, help_text: str) -> argparse.ArgumentParser:
+        sub = commands.add_parser(name, help=help_text, description=help_text)
+        sub.set_defaults(handler=handler)
+        return sub
+
+    for name, handler, help_text in (
+        ("build", cmd_build, "reproduce the DAG for every model, or one"),
+        ("bench", cmd_bench, "measure every variant again on this machine, then report"),
+    ):
+        sub = command(name, handler, help_text)
+        sub.add_argument("--model", help="only this model from params.yaml")
+        sub.add_argument("--no-wait", action="store_true", help="stop instead of waiting when another build runs")
+    sub = command("report", cmd_report, "print the results table of every model, or one")
+    sub.add_argument("--model", help="only this model from params.yaml")
+    command("status", cmd_status, "what is stale and why, from DVC")
+    sub = command("generate", cmd_generate, "stream a greedy continuation of a prompt")
+    sub.add_argument("model", help="a model from params.yaml")
+    sub.add_argument("prompt", help="the prompt text, or - to read it from stdin (UTF-8)")
+    sub.add_argument("--variant", help="default: the variant the report recommends")
+    sub.add_argument("--max-new-tokens", type=int, default=64)
+    command("doctor", cmd_doctor, "versions, CPU features, threads, free disk and memory")
+    return top
+
+
+def main(argv: list[str] | None = None) -> int:
+    _utf8_streams()
+    args = parser().parse_args(argv)
+    args.root = args.root.resolve()
+    try:
+        if args.handler is not cmd_doctor and not (args.root / "params.yaml").is_file():
+            raise CliError(f"{args.root} has no params.yaml; run ortforge in the repository root or pass --root")
+        return args.handler(args)
+    except _expected_errors() as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("interrupted; outputs are written atomically, so run the command again to resume", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

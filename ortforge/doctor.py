@@ -1,0 +1,53 @@
+"""`ortforge doctor`: the facts that decide whether and how fast a build runs on this machine."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+from pathlib import Path
+
+# The CPU features onnxruntime's int8/int4 kernels choose between, fastest last.
+CPU_FEATURES = ("avx", "fma", "avx2", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "amx_int8")
+
+
+def cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8")
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def tool_lines(root: Path) -> list[str]:
+    from tasks.versions import PINS_FILE, installed, load_pins
+
+    pins_file = root / PINS_FILE
+    if not pins_file.is_file():
+        return [f"versions: {pins_file} not found (run from the repository root)"]
+    lines = []
+    for tool, pin in load_pins(pins_file).items():
+        actual = installed(tool)
+        lines.append(f"  {tool:<16} {actual:<14} {'ok' if actual == pin else f'MISMATCH: pinned {pin}'}")
+    return ["tools (installed vs versions.yaml):", *lines]
+
+
+def report(root: Path) -> list[str]:
+    import psutil
+
+    flags = cpu_flags()
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    disk = shutil.disk_usage(root)
+    memory = psutil.virtual_memory()
+    return [
+        f"python: {platform.python_version()} ({platform.machine()})",
+        f"cpu: {platform.processor() or platform.machine()}; features: "
+        + ", ".join(f"{name} {'yes' if name in flags else 'no'}" for name in CPU_FEATURES),
+        f"threads: {usable} usable of {os.cpu_count()} logical CPUs (physical cores: {psutil.cpu_count(False)})",
+        f"memory: {memory.available / 1e9:.1f} GB available of {memory.total / 1e9:.1f} GB",
+        f"disk: {disk.free / 1e9:.1f} GB free at {root}",
+        *tool_lines(root),
+    ]

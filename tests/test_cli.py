@@ -1,0 +1,62 @@
+"""The `ortforge` command: instant help, one-line errors with the fix, and the commands over a
+built repository (status, report, generate, doctor)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from ortforge import cli
+from tests.conftest import REPO
+
+HEAVY = ("torch", "onnxruntime", "transformers", "prefect", "dvc", "numpy", "matplotlib")
+
+
+def test_help_imports_nothing_heavy():
+    probe = "import sys, ortforge.cli as c; c.parser().format_help(); print(' '.join(sorted(sys.modules)))"
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
+    assert [name for name in loaded if name.split(".")[0] in HEAVY] == []
+
+
+def test_help_lists_every_command():
+    text = cli.parser().format_help()
+    for command in ("build", "status", "bench", "report", "generate", "doctor"):
+        assert command in text
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["generate", "gpt-9", "hi"], "unknown model `gpt-9`"),
+        (["report", "--model", "smollm2-135m"], None),  # present in this repository: no error
+        (["--root", "/nonexistent", "status"], "/nonexistent has no params.yaml; run ortforge in the repository root"),
+    ],
+)
+def test_errors_are_one_line_with_exit_status_2(argv, message, capsys):
+    status = cli.main(["--root", str(REPO), *argv] if argv[0] != "--root" else argv)
+    err = capsys.readouterr().err
+    if message is None:
+        assert status == 0
+        return
+    assert status == 2 and err.count("\n") == 1 and err.startswith("error: ") and message in err
+
+
+def test_generate_refuses_a_variant_without_a_validation_stamp(built, tmp_path, capsys):
+    import shutil
+
+    from tests.conftest import tiny_params, write_params
+
+    write_params(tmp_path, tiny_params(built["hf"]))
+    shutil.copytree(built["int8"], tmp_path / "artifacts" / "tiny" / "variants" / "int8")
+    status = cli.main(["--root", str(tmp_path), "generate", "tiny", "hello", "--variant", "int8"])
+    assert status == 2
+    assert "has no validation stamp int8.valid.json" in capsys.readouterr().err
+
+
+def test_doctor_reports_versions_cpu_threads_and_disk(capsys):
+    assert cli.main(["--root", str(REPO), "doctor"]) == 0
+    out = capsys.readouterr().out
+    for fact in ("python:", "avx2", "threads:", "memory:", "disk:", "onnxruntime"):
+        assert fact in out
