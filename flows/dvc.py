@@ -86,6 +86,14 @@ def reproduce(
     return STAGE_STARTED.findall(dvc(root, "repro", *options, *(targets or []), echo=echo))
 
 
+def metrics_diff(root: Path) -> str:
+    """`dvc metrics diff` of the workspace against the last commit, as markdown ("" when none)."""
+    try:
+        return dvc(root, "metrics", "diff", "--md", "HEAD", echo=False).strip()
+    except DvcFailed:  # no commit yet to compare with
+        return ""
+
+
 def planned_stages(root: Path, targets: list[str] | None = None, *options: str) -> list[str]:
     """The stages `dvc repro [options]` would run now, in order (a dry run: nothing executes)."""
     return reproduce(root, targets, "--dry", *options, echo=False)

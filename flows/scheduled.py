@@ -19,7 +19,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
 from flows.build import build
-from flows.dvc import dvc
+from flows.dvc import dvc, metrics_diff
 from tasks import paths
 from tasks.params import HubSource, load_params
 
@@ -77,7 +77,7 @@ def push(root: Path) -> None:
 
 @task(cache_policy=NO_CACHE)
 def publish_summary(root: Path, executed: list[str], moved: dict) -> str:
-    diff = dvc(root, "metrics", "diff", "--md", "HEAD", echo=False).strip()
+    diff = metrics_diff(root)
     lines = ["# ortforge rebuild", ""]
     lines += [f"- {name}: {m['branch']} moved {m['from'][:12]} -> {m['to'][:12]}" for name, m in moved.items()]
     lines += [f"Stages executed: {', '.join(executed) if executed else 'none'}", ""]

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -131,6 +132,19 @@ def run_module(module: str, *args: str, cwd: Path, env: dict | None = None) -> s
 @pytest.fixture(scope="session")
 def tiny_hf(tmp_path_factory) -> Path:
     return tiny_models.build_hf_model(tmp_path_factory.mktemp("tiny") / "hf", EVAL_TEXT)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_hf(tmp_path_factory) -> Path:
+    """A second architecture (Qwen2: biased q/k/v, untied output layer) for multi-model builds."""
+    return tiny_models.build_hf_model(tmp_path_factory.mktemp("tiny-qwen") / "hf", EVAL_TEXT, architecture="qwen2")
+
+
+def add_model(project: Path, name: str, hf_dir: Path) -> None:
+    """Add a local-folder model to the project's params.yaml: the only file a new model touches."""
+    params = yaml.safe_load((project / "params.yaml").read_text(encoding="utf-8"))
+    params["models"][name] = {**params["models"]["tiny"], "source": {"kind": "local", "path": str(hf_dir)}}
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False), encoding="utf-8")
 
 
 @pytest.fixture(scope="session")
@@ -276,3 +290,40 @@ def use_s3(project: Path, endpoint: str) -> None:
     dvc(project, "remote", "modify", "--local", "s3", "endpointurl", endpoint)
     dvc(project, "remote", "modify", "--local", "s3", "access_key_id", "test")
     dvc(project, "remote", "modify", "--local", "s3", "secret_access_key", "test")
+
+
+@pytest.fixture(scope="session")
+def prefect_api(tmp_path_factory):
+    """A real `prefect server start` on 127.0.0.1 with its own home."""
+    port = free_port()
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(tmp_path_factory.mktemp("prefect-home")),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_UI_ENABLED": "false",
+    }
+    server = subprocess.Popen(
+        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}/api"
+    try:
+        wait_for(lambda: urllib.request.urlopen(f"{url}/health", timeout=2).status == 200, seconds=180)
+        yield url
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def wait_for(ready, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if ready():
+                return
+        except Exception:  # not up yet
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"not ready after {seconds} s")

@@ -103,13 +103,18 @@ def test_flow_builds_publishes_table_and_then_runs_nothing(project, prefect_serv
 
     monkeypatch.setenv("HF_TOKEN", SECRET)
     executed = flows_build.build(root=project)
-    assert set(executed["download@tiny"]) == {"download@tiny"}
-    assert set(executed["report@tiny"]) == ALL_STAGES - {"download@tiny"}
+    assert executed["download@tiny"] == ["download@tiny"]
+    assert executed["variant@tiny-int4"] == ["quantize@tiny-int4", "validate@tiny-int4"]
+    assert executed["bench@tiny"] == [f"bench@tiny-{variant}" for variant in ("fp32", "int8", "int4")]
+    assert sorted(stage for stages in executed.values() for stage in stages) == sorted(ALL_STAGES)
+    assert executed["check"] == []  # the fan-out left nothing for a plain `dvc repro`
     artifact = Artifact.get("report-tiny")
-    assert artifact is not None and "\n| int4 | " in artifact.data
+    assert (
+        artifact is not None and "\n| int4 | " in artifact.data and "Metrics against the last commit" in artifact.data
+    )
 
     again = flows_build.build(root=project)
-    assert again == {"download@tiny": [], "report@tiny": []}
+    assert set(again) == set(executed) and not any(again.values())
 
     # The token never lands in a log, manifest, report, lock file, DVC's cache or a Prefect record.
     records = prefect_records()
@@ -128,7 +133,7 @@ def test_flow_download_retries_transient_errors(prefect_server, monkeypatch):
 
     calls = []
 
-    def flaky(root, targets=None):
+    def flaky(root, targets=None, *options):
         calls.append(targets)
         if len(calls) == 1:
             raise ConnectionError("hub hiccup")

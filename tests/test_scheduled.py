@@ -8,13 +8,11 @@ import os
 import subprocess
 import sys
 import threading
-import time
-import urllib.request
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
-from tests.conftest import free_port, tiny_params, write_params
+from tests.conftest import tiny_params, wait_for, write_params
 
 OLD, NEW = "a" * 40, "b" * 40
 
@@ -67,43 +65,6 @@ def test_follow_upstream_bumps_followed_revision_keeping_comments(tmp_path, tiny
     assert text.count(NEW) == 1 and text.count(OLD) == 1
 
     assert follow_upstream.fn(tmp_path, revision_of=upstream_revision.fn) == {}  # already current
-
-
-@pytest.fixture(scope="module")
-def prefect_api(tmp_path_factory):
-    """A real `prefect server start` on 127.0.0.1 with its own home."""
-    port = free_port()
-    env = {
-        **os.environ,
-        "PREFECT_HOME": str(tmp_path_factory.mktemp("prefect-home")),
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_UI_ENABLED": "false",
-    }
-    server = subprocess.Popen(
-        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}/api"
-    try:
-        wait_for(lambda: urllib.request.urlopen(f"{url}/health", timeout=2).status == 200, seconds=180)
-        yield url
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
-
-
-def wait_for(ready, seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            if ready():
-                return
-        except Exception:  # not up yet
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"not ready after {seconds} s")
 
 
 @pytest.mark.e2e

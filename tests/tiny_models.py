@@ -1,6 +1,7 @@
 """Tiny random models for tests, built from real architecture configs in seconds and offline:
-a byte-level BPE tokenizer trained on the evaluation text, a LLaMA-style model, and the same model
-written as a GGUF file the way llama.cpp's converter lays it out."""
+a byte-level BPE tokenizer trained on the evaluation text, a LLaMA-style model (and a Qwen2-style
+one, for a repository that builds two architectures), and the LLaMA model written as a GGUF file
+the way llama.cpp's converter lays it out."""
 
 from __future__ import annotations
 
@@ -50,17 +51,34 @@ def llama_config(**overrides):
     return LlamaConfig(**(values | overrides))
 
 
-def build_hf_model(folder: Path, text_path: Path, seed: int = 0, **config_overrides) -> Path:
-    """Save a tiny random LLaMA-style model with its tokenizer as a plain HF folder."""
+def qwen2_config(**overrides):
+    """A Qwen2-style config: biased q/k/v projections, a different rotary base, untied output layer."""
+    from transformers import Qwen2Config
+
+    values = llama_config().to_dict() | {"rope_theta": 1000000.0, "tie_word_embeddings": False}
+    for key in ("architectures", "model_type", "transformers_version", "head_dim", "mlp_bias", "attention_bias"):
+        values.pop(key, None)
+    return Qwen2Config(**(values | overrides))
+
+
+def build_hf_model(
+    folder: Path, text_path: Path, seed: int = 0, architecture: str = "llama", **config_overrides
+) -> Path:
+    """Save a tiny random model (LLaMA- or Qwen2-style) with its tokenizer as a plain HF folder."""
     import torch
-    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(llama_config(**config_overrides)).eval()
+    if architecture == "qwen2":
+        model = Qwen2ForCausalLM(qwen2_config(**config_overrides)).eval()
+    else:
+        model = LlamaForCausalLM(llama_config(**config_overrides)).eval()
     with torch.no_grad():  # larger-than-default weights give logits with real spread
-        for parameter in model.parameters():
+        for name, parameter in model.named_parameters():
             if parameter.dim() == 2:
                 parameter.normal_(0.0, 0.08)
+            elif name.endswith(".bias"):  # Qwen2's q/k/v biases start at zero; make them matter
+                parameter.normal_(0.0, 0.05)
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=train_tokenizer(text_path),
