@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import re
 import subprocess
@@ -101,8 +102,6 @@ def planned_stages(root: Path, targets: list[str] | None = None, *options: str) 
 
 def stale_reasons(root: Path, targets: list[str] | None = None) -> dict[str, list[str]]:
     """Why each stale stage would rerun, from `dvc status`: its changed deps, params and outputs."""
-    import json
-
     status = json.loads(dvc(root, "status", "--json", *(targets or []), echo=False) or "{}")
     reasons: dict[str, list[str]] = {}
     for stage, entries in status.items():
