@@ -327,3 +327,22 @@ def wait_for(ready, seconds: float) -> None:
             pass
         time.sleep(0.5)
     raise TimeoutError(f"not ready after {seconds} s")
+
+
+def prefect_records() -> list[str]:
+    """Every log line and artifact the Prefect server holds, as text."""
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+
+    async def read_all() -> list[str]:
+        texts: list[str] = []
+        async with get_client() as client:
+            for read in (client.read_logs, client.read_artifacts):
+                offset = 0
+                while page := await read(limit=200, offset=offset):
+                    texts += [record.model_dump_json() for record in page]
+                    offset += len(page)
+        return texts
+
+    return asyncio.run(read_all())

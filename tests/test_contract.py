@@ -157,3 +157,18 @@ def test_flow_targets_name_real_stages(dvc_stages):
     for target in ("download", "report"):
         assert f'f"{target}@{{' in source
         assert target in {split_address(s)[0] for s in dvc_stages}
+
+
+def test_measured_outputs_live_in_git_not_the_cache(dvc_stages):
+    """bench's tuned settings are a measurement: a rebuild cannot reproduce the committed file, so a
+    CI cache filled by another build would never hold it and bench would rerun on every restore.
+    Kept out of the cache and in git, they come with the checkout."""
+    import subprocess
+
+    for stage in dvc_stages:
+        if split_address(stage)[0] != "bench":
+            continue
+        (out,) = [out for out in stage.outs if out.def_path.endswith(".runtime.json")]
+        assert not out.use_cache, stage.addressing
+        ignored = subprocess.run(["git", "check-ignore", "-q", out.def_path], cwd=REPO)
+        assert ignored.returncode == 1, f"{out.def_path} is git-ignored; it must be committed"

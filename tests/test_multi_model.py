@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from tests.conftest import add_model, dvc, fresh_clone, make_project
+from tests.conftest import add_model, dvc, fresh_clone, make_project, prefect_records
 
 pytestmark = pytest.mark.e2e
 
@@ -36,7 +36,6 @@ def test_flow_fans_out_two_architectures_on_dask(tmp_path, tiny_hf, tiny_qwen_hf
     from prefect_dask import DaskTaskRunner
 
     from flows.build import build
-    from tests.test_e2e import prefect_records
 
     project = make_project(tmp_path / "repo", tiny_hf)
     add_model(project, "tiny-qwen", tiny_qwen_hf)
