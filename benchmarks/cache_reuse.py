@@ -49,10 +49,11 @@ def clone(into: Path, origin: Path = REPO) -> Path:
     return into
 
 
-def commit_lock(repo: Path) -> None:
-    """Commit the build's dvc.lock, as CI does before it saves the cache: the bench stage's tuned
-    runtime.json is measured, so a restored cache matches the lock of the build that filled it."""
-    subprocess.run(["git", "add", "dvc.lock"], cwd=repo, check=True)
+def commit_build(repo: Path) -> None:
+    """Commit what the build changed in git (dvc.lock, metrics, the tuned runtime.json files), as a
+    developer does before pushing: those are measurements, so a restored cache matches the commit
+    of the build that filled it, not an older one."""
+    subprocess.run(["git", "add", "-A"], cwd=repo, check=True)
     identity = ["-c", "user.name=bench", "-c", "user.email=bench@localhost"]
     subprocess.run(["git", *identity, "commit", "-q", "--allow-empty", "-m", "cold build"], cwd=repo, check=True)
 
@@ -65,7 +66,7 @@ def measure(workdir: Path) -> dict:
     print("no-op dvc repro...", flush=True)
     noop = timed(dvc_repro, cold_repo)
 
-    commit_lock(cold_repo)
+    commit_build(cold_repo)
     warm_repo = clone(workdir / "warm", origin=cold_repo)
     started = time.perf_counter()
     shutil.copytree(cold_repo / ".dvc" / "cache", warm_repo / ".dvc" / "cache")  # what actions/cache restores
