@@ -8,7 +8,7 @@ INPUT_IDS = "input_ids"
 ATTENTION_MASK = "attention_mask"
 POSITION_IDS = "position_ids"
 LOGITS = "logits"
-# Optional input (default 0, all positions): compute logits for only the last N positions, as
+# Input (0: all positions): compute logits for only the last N positions, as
 # transformers' logits_to_keep does. Generation keeps 1: a 128-token prefill skips 127 rows of the
 # vocabulary projection.
 LOGITS_TO_KEEP = "logits_to_keep"

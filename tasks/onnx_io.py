@@ -1,5 +1,6 @@
 """Loading and saving ONNX graphs the same way in every stage: weights go to external data once the
-graph nears protobuf's 2 GB limit, and the result always lands as model.onnx in its folder."""
+graph nears protobuf's 2 GB limit (or always, when asked), and the result always lands as model.onnx
+in its folder."""
 
 from __future__ import annotations
 
@@ -19,14 +20,20 @@ def initializer_bytes(model) -> int:
     )
 
 
-def save(model, folder: Path) -> Path:
-    """Write model.onnx (plus model.onnx.data when large) into folder."""
+def save(model, folder: Path, external_data: bool = False) -> Path:
+    """Write model.onnx (plus model.onnx.data when large or external_data) into folder.
+
+    With external data onnxruntime reads each weight straight into its buffer; a single-file model
+    is first read and parsed whole, which raises the peak memory of loading it by about its size."""
     # onnxruntime's saver also declares the com.microsoft opset that fused nodes need.
     from onnxruntime.transformers.onnx_model import OnnxModel
 
     path = Path(folder) / MODEL_FILE
-    external = initializer_bytes(model) > EXTERNAL_DATA_ABOVE_BYTES
+    external = external_data or initializer_bytes(model) > EXTERNAL_DATA_ABOVE_BYTES
     OnnxModel.save(model, str(path), save_as_external_data=external, all_tensors_to_one_file=True)
+    data = path.with_name(path.name + ".data")
+    if data.exists():
+        data.chmod(path.stat().st_mode & 0o777)  # onnx creates it owner-only; readable like the graph
     return path
 
 

@@ -117,8 +117,11 @@ def _onnxruntime_int8(cfg: QuantizeConfig, model_dir: Path, calib: Calibration |
 
 
 def add_logits_to_keep(graph) -> None:
-    """Give the graph an optional input logits_to_keep (default 0: all positions) that slices the
-    hidden states before the output layer, so a generation prefill computes one row of logits."""
+    """Give the graph an input logits_to_keep (0: all positions, 1: the last) that slices the hidden
+    states before the output layer, so a generation prefill computes one row of logits.
+
+    A required input, not one with a default: onnxruntime treats an input that also has an
+    initializer as a constant it may fold away, and then nobody can set it."""
     import onnx
     from onnx import TensorProto, helper
 
@@ -130,7 +133,6 @@ def add_logits_to_keep(graph) -> None:
     constants = {
         stem + "/ends": np.array([np.iinfo(np.int64).max], dtype=np.int64),
         stem + "/axes": np.array([1], dtype=np.int64),
-        names.LOGITS_TO_KEEP: np.array([0], dtype=np.int64),
     }
     graph.graph.initializer.extend(onnx.numpy_helper.from_array(v, k) for k, v in constants.items())
     graph.graph.input.append(helper.make_tensor_value_info(names.LOGITS_TO_KEEP, TensorProto.INT64, [1]))
@@ -184,7 +186,7 @@ def run(
     add_logits_to_keep(graph)
     tag_for_runtime(graph, config)
     with atomic_output_dir(out_dir) as tmp:
-        onnx_io.save(graph, tmp)
+        onnx_io.save(graph, tmp, external_data=True)  # a published variant loads with a lower peak
         for name in COPIED_FROM_HF:
             if (hf_dir / name).is_file():
                 shutil.copyfile(hf_dir / name, tmp / name)
