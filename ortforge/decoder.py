@@ -9,7 +9,8 @@ Two cache layouts, recorded in the model's metadata by the quantize stage (names
 - chained: graphs that concatenate past and new (optimum's export) return a grown present; its
   onnxruntime values are bound as the next step's past directly, never converted to numpy.
 
-The cache belongs to the decoder: a new empty_cache() starts a new sequence.
+The cache belongs to the decoder: a new empty_cache() starts a new sequence. A long prompt may run
+in chunks (prefill_chunk tokens each): same result, bounded activation memory.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ortforge import names
+from ortforge.session import SessionSettings, create_session
 
 ORT_TO_NUMPY = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 INITIAL_CAPACITY = 256
@@ -38,8 +40,15 @@ class KVCache:
 
 
 class Decoder:
-    def __init__(self, session: ort.InferenceSession, head_dim: int | None = None, layout: str | None = None):
+    def __init__(
+        self,
+        session: ort.InferenceSession,
+        head_dim: int | None = None,
+        layout: str | None = None,
+        prefill_chunk: int = 0,
+    ):
         self.session = session
+        self.prefill_chunk = prefill_chunk
         inputs = {i.name: i for i in session.get_inputs()}
         self.num_layers = sum(1 for name in inputs if name.startswith("past_key_values.") and name.endswith(".key"))
         if self.num_layers == 0 or names.INPUT_IDS not in inputs:
@@ -72,6 +81,12 @@ class Decoder:
         empty = np.zeros((1, self.kv_heads, 0, self.head_dim), self.kv_dtype)
         self._empty = ort.OrtValue.ortvalue_from_numpy(empty)
 
+    @classmethod
+    def for_artifact(cls, model_dir, settings: SessionSettings | None = None) -> Decoder:
+        """A decoder over a new session for the artifact, with its measured settings by default."""
+        settings = settings or SessionSettings.for_artifact(model_dir)
+        return cls(create_session(model_dir, settings), prefill_chunk=settings.prefill_chunk)
+
     def __reduce__(self):
         raise TypeError(NOT_PICKLABLE)
 
@@ -85,6 +100,14 @@ class Decoder:
         logits_to_keep input then skip the others, and the result has one row.
         """
         ids = np.ascontiguousarray(np.asarray(token_ids, dtype=np.int64).reshape(1, -1))
+        chunk = self.prefill_chunk
+        if last_only and chunk and ids.shape[1] > chunk:
+            *leading, ids = [ids[:, start : start + chunk] for start in range(0, ids.shape[1], chunk)]
+            for piece in leading:  # their logits are not wanted: they only fill the cache
+                _, cache = self._run(np.ascontiguousarray(piece), cache, last_only=True)
+        return self._run(np.ascontiguousarray(ids), cache, last_only)
+
+    def _run(self, ids: np.ndarray, cache: KVCache, last_only: bool) -> tuple[np.ndarray, KVCache]:
         start, total = cache.length, cache.length + ids.shape[1]
         self._reserve(total, cache.length)
         binding = self._binding

@@ -67,7 +67,8 @@ class TextGenerator:
 
     def __init__(self, model_dir: Path, settings: SessionSettings | None = None):
         model_dir = Path(model_dir)
-        self.session = create_session(model_dir, settings)
+        self.settings = settings or SessionSettings.for_artifact(model_dir)
+        self.session = create_session(model_dir, self.settings)
         self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         self.stop_ids = _eos_ids(model_dir / GENERATION_CONFIG_FILE)
         self._per_thread = threading.local()
@@ -80,7 +81,7 @@ class TextGenerator:
         """This thread's decoder over the shared session, created on first use."""
         decoder = getattr(self._per_thread, "decoder", None)
         if decoder is None:
-            decoder = self._per_thread.decoder = Decoder(self.session)
+            decoder = self._per_thread.decoder = Decoder(self.session, prefill_chunk=self.settings.prefill_chunk)
         return decoder
 
     def encode(self, text: str) -> list[int]:

@@ -30,12 +30,17 @@ class SessionSettings:
     graph_level: str = "all"
     enable_mem_pattern: bool = True
     enable_cpu_mem_arena: bool = True
+    # Not a session option but the decoder's: prompts run in pieces of this many tokens (0: whole).
+    # Activation memory grows with the tokens in one run; onnxruntime keeps what a run allocated.
+    prefill_chunk: int = 0
 
     def __post_init__(self) -> None:
         if self.graph_level not in GRAPH_LEVELS:
             raise ValueError(f"graph_level {self.graph_level!r} is not one of {sorted(GRAPH_LEVELS)}")
         if self.intra_op_threads < 0 or self.inter_op_threads < 0:
             raise ValueError("thread counts must be >= 0 (0 lets ONNX Runtime choose)")
+        if self.prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk {self.prefill_chunk} must be >= 0 (0 runs a prompt whole)")
 
     @classmethod
     def from_dict(cls, values: dict) -> SessionSettings:

@@ -25,6 +25,34 @@ def test_decoder_cached_steps_equal_full_recompute(generator):
     assert cached_decode_gap(generator.decoder, ids, prefill=4, steps=6) < 1e-4
 
 
+@pytest.mark.parametrize("chunk", [1, 3, 4])
+def test_prefill_in_chunks_equals_the_whole_prompt(generator, chunk):
+    ids = generator.encode("the GNU General Public License is a free license")[:10]
+    whole = Decoder(generator.session)
+    pieces = Decoder(generator.session, prefill_chunk=chunk)
+    expected, whole_cache = whole.forward(ids, whole.empty_cache(), last_only=True)
+    logits, cache = pieces.forward(ids, pieces.empty_cache(), last_only=True)
+    assert cache.length == whole_cache.length == len(ids)
+    assert logits.shape == expected.shape == (1, expected.shape[1])
+    np.testing.assert_allclose(logits, expected, atol=1e-4)
+    # the cache the pieces filled carries on exactly like the whole prompt's
+    np.testing.assert_allclose(
+        pieces.forward([7], cache, last_only=True)[0][-1],
+        whole.forward([7], whole_cache, last_only=True)[0][-1],
+        atol=1e-4,
+    )
+
+
+def test_generation_computes_only_the_last_row_of_logits(generator):
+    decoder = generator.decoder
+    assert decoder.can_keep_last  # every variant has logits_to_keep, and the decoder must find it
+    ids = generator.encode("the GNU General Public License")
+    last, _ = decoder.forward(ids, decoder.empty_cache(), last_only=True)
+    every, _ = decoder.forward(ids, decoder.empty_cache())
+    assert last.shape == (1, every.shape[1]) and every.shape[0] == len(ids)
+    np.testing.assert_allclose(last[0], every[-1], atol=1e-4)
+
+
 def test_decoder_logits_change_with_context(generator):
     # Guards the check above against a decoder that ignores its cache.
     a = full_pass_logits(generator.decoder, np.array([5, 6, 7, 8]))[-1]
@@ -81,15 +109,19 @@ def test_session_settings_come_from_the_artifacts_runtime_file(built, tmp_path):
     variant = tmp_path / "int4"
     shutil.copytree(built["int4"], variant)
     assert SessionSettings.for_artifact(variant) == SessionSettings()
-    tuned = {"intra_op_threads": 1, "inter_op_threads": 0, "graph_level": "basic"}
+    tuned = {"intra_op_threads": 1, "inter_op_threads": 0, "graph_level": "basic", "prefill_chunk": 2}
     runtime_config(variant).write_text(json.dumps({"session": tuned}))
     assert SessionSettings.for_artifact(variant) == SessionSettings(**tuned)
-    assert TextGenerator(variant).generate("the", 3) == TextGenerator(built["int4"]).generate("the", 3)
+    generator = TextGenerator(variant)
+    assert generator.generate("the license", 3) == TextGenerator(built["int4"]).generate("the license", 3)
+    assert generator.decoder.prefill_chunk == Decoder.for_artifact(variant).prefill_chunk == 2
 
 
 def test_session_settings_reject_unknown_keys():
     with pytest.raises(ValueError, match="intra_op_thread"):
         SessionSettings.from_dict({"intra_op_thread": 2})
+    with pytest.raises(ValueError, match="prefill_chunk -1 must be >= 0"):
+        SessionSettings(prefill_chunk=-1)
 
 
 def test_runtime_imports_without_build_tools(built):
