@@ -84,7 +84,7 @@ def _generate(decoder, prompt: list[int], new_tokens: int, sample_steps: int | N
     """(first-token seconds, per-step seconds). With sample_steps, only that many evenly spaced
     steps are run (for decoders whose every step recomputes everything) and the rest are
     interpolated linearly in sequence length; the spec says so in the results."""
-    from tasks.bench import timed_generation
+    from tasks.timing import timed_generation
 
     if not sample_steps:
         return timed_generation(decoder, prompt, new_tokens)
@@ -150,7 +150,7 @@ def measure(spec: dict, prompt: list[int], new_tokens: int, warmup: int, repeats
     """Run in a fresh process: load the engine, warm up, time `repeats` generations."""
     import os
 
-    from tasks.bench import peak_rss_mb
+    from tasks.timing import peak_rss_mb
 
     started = time.perf_counter()
     kind = spec["kind"]

@@ -33,8 +33,9 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks import engines  # noqa: E402
 from tasks import paths  # noqa: E402
-from tasks.bench import in_fresh_process, prompt_ids  # noqa: E402
+from tasks.bench import prompt_ids  # noqa: E402
 from tasks.files import atomic_write_json, folder_bytes  # noqa: E402
+from tasks.timing import in_fresh_process  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 CACHE = REPO / "benchmarks" / ".cache"

@@ -12,10 +12,6 @@ Each engine runs in its own fresh process (so peak RSS is its own), rounds inter
 from __future__ import annotations
 
 import logging
-import multiprocessing
-import resource
-import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -26,73 +22,9 @@ from tasks import paths
 from tasks.files import atomic_write_json, folder_bytes, megabytes
 from tasks.params import BenchConfig
 from tasks.stage import StageError, stage_cli
+from tasks.timing import ORT, TORCH, in_fresh_process, measure_engine
 
 log = logging.getLogger(__name__)
-
-ORT, TORCH = "onnxruntime", "pytorch"
-
-
-def timed_generation(decoder, prompt: list[int], new_tokens: int) -> tuple[float, list[float]]:
-    """Seconds to the first token (prefill + argmax), and seconds of each later decode step."""
-    start = time.perf_counter()
-    logits, cache = decoder.forward(prompt, decoder.empty_cache(), last_only=True)
-    token = int(np.argmax(logits[-1]))
-    first = time.perf_counter() - start
-    steps = []
-    for _ in range(new_tokens - 1):
-        start = time.perf_counter()
-        logits, cache = decoder.forward([token], cache, last_only=True)
-        token = int(np.argmax(logits[-1]))
-        steps.append(time.perf_counter() - start)
-    return first, steps
-
-
-def _load_decoder(engine: str, model_dir: Path, threads: int, session: dict | None):
-    if engine == TORCH:
-        from tasks.torch_decoder import TorchDecoder
-
-        decoder = TorchDecoder(model_dir, threads)
-        return decoder, decoder.torch.get_num_threads()
-    from ortforge import Decoder, SessionSettings, create_session
-
-    settings = SessionSettings.from_dict(session) if session else SessionSettings(intra_op_threads=threads)
-    return Decoder(create_session(model_dir, settings)), settings.intra_op_threads
-
-
-def measure_engine(engine: str, model_dir: str, prompt: list[int], cfg: dict, session: dict | None = None) -> dict:
-    """Run in a fresh process: load, warm up, then time cfg['repeats'] generations."""
-    started = time.perf_counter()
-    decoder, threads = _load_decoder(engine, Path(model_dir), cfg["threads"], session)
-    load_seconds = time.perf_counter() - started
-    for _ in range(cfg["warmup"]):
-        timed_generation(decoder, prompt, cfg["new_tokens"])
-    runs = [timed_generation(decoder, prompt, cfg["new_tokens"]) for _ in range(cfg["repeats"])]
-    return {
-        "first_token_s": [first for first, _ in runs],
-        "step_s": [steps for _, steps in runs],
-        "load_seconds": load_seconds,
-        "threads": threads,
-        "peak_rss_mb": peak_rss_mb(),
-    }
-
-
-def peak_rss_mb() -> float:
-    """This process's peak resident memory. VmHWM belongs to the process image (reset by exec);
-    getrusage's ru_maxrss survives exec on Linux and would report the parent's peak after spawn."""
-    try:
-        for line in Path("/proc/self/status").read_text(encoding="utf-8").splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def in_fresh_process(function, *args):
-    """function(*args) in a new interpreter: fork would share the parent's pages and its RSS."""
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
-        return pool.submit(function, *args).result()
 
 
 def summarize(runs: list[dict], prompt_tokens: int, size_bytes: int) -> dict:
