@@ -1,8 +1,9 @@
 """Calibration data for data-aware quantization: token chunks of a fixed text fed to the decoder
 graph as prefill inputs (with an empty KV cache), and the statistics taken from them.
 
-GPTQ needs, for each linear layer, H = sum(x x^T) over its inputs; static int8 needs an onnxruntime
-CalibrationDataReader. Both come from the same chunks, so the two methods see the same data.
+GPTQ needs, for each linear layer, H = sum(x x^T) over its inputs; SmoothQuant the largest value
+of each input channel; static int8 needs an onnxruntime CalibrationDataReader. All come from the
+same chunks, so the methods see the same data.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import logging
 import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -71,8 +73,8 @@ def data_reader(model, chunks: list[np.ndarray], head_dim: int):
     return Reader()
 
 
-def input_hessians(model, tensor_names: list[str], chunks: list[np.ndarray], head_dim: int) -> dict[str, np.ndarray]:
-    """2 / n * sum(x x^T) over every row x of each named tensor (GPTQ's H), in float64."""
+def activations(model, tensor_names: list[str], chunks: list[np.ndarray], head_dim: int) -> Iterator[dict]:
+    """For each chunk, the named intermediate tensors as rows [tokens, channels] in float64."""
     import copy
 
     import onnx
@@ -83,16 +85,48 @@ def input_hessians(model, tensor_names: list[str], chunks: list[np.ndarray], hea
     for name in tensor_names:
         if name not in known:
             augmented.graph.output.append(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None))
-    sums: dict[str, np.ndarray] = {}
-    rows = 0
     with tempfile.TemporaryDirectory() as scratch:
         onnx_io.save(augmented, Path(scratch))
         session = ort.InferenceSession(str(Path(scratch) / names.MODEL_FILE), providers=["CPUExecutionProvider"])
         for index, ids in enumerate(chunks):
             log.info("calibration pass %d/%d", index + 1, len(chunks))
             outputs = session.run(tensor_names, prefill_feed(model, ids, head_dim))
-            for name, value in zip(tensor_names, outputs, strict=True):
-                x = value.reshape(-1, value.shape[-1]).astype(np.float64)
-                sums[name] = sums.get(name, 0) + x.T @ x
-            rows += len(ids)
+            yield {
+                name: value.reshape(-1, value.shape[-1]).astype(np.float64)
+                for name, value in zip(tensor_names, outputs, strict=True)
+            }
+
+
+def input_hessians(model, tensor_names: list[str], chunks: list[np.ndarray], head_dim: int) -> dict[str, np.ndarray]:
+    """2 / n * sum(x x^T) over every row x of each named tensor (GPTQ's H), in float64."""
+    sums: dict[str, np.ndarray] = {}
+    rows = 0
+    for batch in activations(model, tensor_names, chunks, head_dim):
+        for name, x in batch.items():
+            sums[name] = sums.get(name, 0) + x.T @ x
+        rows += len(next(iter(batch.values())))
     return {name: total * (2 / rows) for name, total in sums.items()}
+
+
+@dataclass(frozen=True)
+class Ranges:
+    """How large one tensor gets: per channel (SmoothQuant's statistic) and per token."""
+
+    channel_max: np.ndarray
+    token_peaks: np.ndarray  # each calibration token's largest magnitude
+
+    @property
+    def outlier_ratio(self) -> float:
+        """The peak token against the median token: a few models put ~1000x on their first token."""
+        return float(self.token_peaks.max() / max(float(np.median(self.token_peaks)), 1e-12))
+
+
+def activation_ranges(model, tensor_names: list[str], chunks: list[np.ndarray], head_dim: int) -> dict[str, Ranges]:
+    channel: dict[str, np.ndarray] = {}
+    tokens: dict[str, list[np.ndarray]] = {name: [] for name in tensor_names}
+    for batch in activations(model, tensor_names, chunks, head_dim):
+        for name, x in batch.items():
+            magnitude = np.abs(x)
+            channel[name] = np.maximum(channel.get(name, 0), magnitude.max(axis=0))
+            tokens[name].append(magnitude.max(axis=1))
+    return {name: Ranges(channel[name], np.concatenate(tokens[name])) for name in tensor_names}

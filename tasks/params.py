@@ -101,8 +101,8 @@ class OptimizeConfig(Strict):
 METHOD_FIELDS = {
     "fp32": set(),
     "fp16": set(),
-    "int8_dynamic": {"weight_type", "per_channel", "reduce_range", "keep_float"},
-    "int8_static": {"calibrate", "per_channel", "keep_float"},
+    "int8_dynamic": {"weight_type", "per_channel", "reduce_range", "keep_float", "smooth_alpha", "outlier_ratio"},
+    "int8_static": {"calibrate", "per_channel", "keep_float", "smooth_alpha", "outlier_ratio"},
     "weight_only": {
         "bits",
         "algorithm",
@@ -124,6 +124,12 @@ class QuantizeConfig(Strict):
     reduce_range: bool = False
     calibrate: Literal["minmax", "entropy", "percentile"] = "minmax"
     keep_float: tuple[str, ...] = Field((), description="MatMuls whose node name contains one of these stay float")
+    smooth_alpha: float | None = Field(
+        None, ge=0.0, le=1.0, description="SmoothQuant first (tasks/smoothing.py): how much range moves to weights"
+    )
+    outlier_ratio: float | None = Field(
+        None, gt=1.0, description="MatMuls whose input has a token this many times the median token's peak stay float"
+    )
     # weight_only (MatMulNBits)
     bits: Literal[4, 8] = 4
     algorithm: Literal["rtn", "imatrix", "hqq", "gptq"] = Field(
@@ -157,7 +163,8 @@ class QuantizeConfig(Strict):
     @property
     def needs_calibration(self) -> bool:
         data_aware = self.algorithm in ("gptq", "imatrix") or self.output_algorithm == "imatrix"
-        return self.method == "int8_static" or (self.method == "weight_only" and data_aware)
+        measured = self.smooth_alpha is not None or self.outlier_ratio is not None
+        return self.method == "int8_static" or measured or (self.method == "weight_only" and data_aware)
 
 
 class CalibrationConfig(Strict):

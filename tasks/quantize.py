@@ -17,7 +17,7 @@ import numpy as np
 
 from ortforge import names
 from ortforge.manifest import write_manifest
-from tasks import calibration, onnx_io, paths, weight_only
+from tasks import calibration, onnx_io, paths, smoothing, weight_only
 from tasks.files import atomic_output_dir, folder_bytes, megabytes, read_json
 from tasks.params import CalibrationConfig, QuantizeConfig
 from tasks.stage import StageError, stage_cli
@@ -83,6 +83,9 @@ def _onnxruntime_int8(cfg: QuantizeConfig, model_dir: Path, calib: Calibration |
     with tempfile.TemporaryDirectory() as scratch:
         out = Path(scratch) / names.MODEL_FILE
         source = model_dir / names.MODEL_FILE
+        if cfg.smooth_alpha is not None or cfg.outlier_ratio is not None:
+            source, outliers = _prepared_for_int8(cfg, model_dir, calib, Path(scratch) / "prepared")
+            keep += outliers
         if cfg.method == "int8_dynamic":
             quantize_dynamic(
                 source,
@@ -114,6 +117,25 @@ def _onnxruntime_int8(cfg: QuantizeConfig, model_dir: Path, calib: Calibration |
                 use_external_data_format=True,
             )
         return onnx.load(str(out))
+
+
+def _prepared_for_int8(cfg: QuantizeConfig, model_dir: Path, calib: Calibration, folder: Path):
+    """The float model, SmoothQuant-rescaled when asked (same function, evened-out input ranges),
+    and the MatMuls whose inputs carry outlier tokens: per-tensor int8 cannot hold them."""
+    model = onnx_io.load(model_dir)
+    weights = {t.name for t in model.graph.initializer}
+    linear = {n.name: n.input[0] for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in weights}
+    ranges = calibration.activation_ranges(model, sorted(set(linear.values())), calib.chunks(), calib.head_dim)
+    outliers = []
+    if cfg.outlier_ratio is not None:
+        outliers = sorted(node for node, x in linear.items() if ranges[x].outlier_ratio > cfg.outlier_ratio)
+        log.info("kept float for outlier tokens (ratio > %g): %s", cfg.outlier_ratio, outliers)
+    if cfg.smooth_alpha is not None:
+        maxima = {x: r.channel_max for x, r in ranges.items()}
+        if smoothing.smooth(model, maxima, cfg.smooth_alpha) == 0:
+            raise StageError(f"{model_dir}: no MatMul input found that SmoothQuant can rescale; remove smooth_alpha")
+    folder.mkdir()
+    return onnx_io.save(model, folder, external_data=True), outliers
 
 
 def add_logits_to_keep(graph) -> None:

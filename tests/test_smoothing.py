@@ -1,0 +1,80 @@
+"""SmoothQuant rescaling changes the weights, never the float model's function; outlier tokens are
+measured per tensor; and the int8 recipe that uses both builds a running variant."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from ortforge import Decoder, TextGenerator, create_session, names
+from tasks import calibration, onnx_io, quantize, smoothing
+from tasks.evaluation import full_pass_logits
+from tasks.params import CalibrationConfig, QuantizeConfig
+from tests.conftest import REPO
+
+CALIBRATION = CalibrationConfig(text=REPO / "data/calibration/python-docs.txt", samples=2, tokens=32)
+
+
+def logits_of(folder, ids, hf):
+    """Full-pass logits of an unquantized graph, which carries no runtime metadata yet."""
+    config = json.loads((hf / "config.json").read_text(encoding="utf-8"))
+    decoder = Decoder(create_session(folder), head_dim=quantize.head_dim_of(config), layout=names.KV_SHARED)
+    return full_pass_logits(decoder, ids)
+
+
+def test_groups_cover_norm_and_gated_inputs_but_not_the_tied_output_layer(built):
+    model = onnx_io.load(built["optimized"], with_weights=False)
+    groups = smoothing.smoothable_groups(model)
+    layers = sum(1 for n in model.graph.node if n.op_type == "GroupQueryAttention")
+    # per layer: the norm before q/k/v, the norm before gate/up, the gated product before down
+    assert sum(g.producer_is_norm for g in groups) == 2 * layers
+    assert sum(not g.producer_is_norm for g in groups) == layers
+    consumers = {name for g in groups for name in g.consumers}
+    assert not any("lm_head" in name for name in consumers)  # its weight is the embedding's too
+
+
+def test_smoothing_keeps_the_float_model_equal(built, tmp_path):
+    from onnx.numpy_helper import to_array
+
+    model = onnx_io.load(built["optimized"])
+    widths = {t.name: t.dims[0] for t in model.graph.initializer}
+    rng = np.random.default_rng(0)  # channel ranges spread over three decades, like real outliers
+    maxima = {g.activation: rng.uniform(0.05, 50, widths[g.consumers[0]]) for g in smoothing.smoothable_groups(model)}
+    before = {t.name: to_array(t) for t in model.graph.initializer}
+    assert smoothing.smooth(model, maxima, alpha=0.5) == len(maxima) > 0
+    changed = [t.name for t in model.graph.initializer if not np.allclose(to_array(t), before[t.name])]
+    assert len(changed) >= 2 * len(maxima)  # each group: its consumers and its producer
+    folder = tmp_path / "smoothed"
+    folder.mkdir()
+    onnx_io.save(model, folder)
+    ids = np.random.default_rng(1).integers(0, 384, 24)
+    np.testing.assert_allclose(
+        logits_of(folder, ids, built["hf"]), logits_of(built["optimized"], ids, built["hf"]), atol=2e-4
+    )
+
+
+def test_outlier_ratio_is_the_peak_token_against_the_median_token():
+    ranges = calibration.Ranges(np.ones(4), np.array([1000.0, 1.0, 2.0, 1.0, 3.0]))
+    assert ranges.outlier_ratio == pytest.approx(500.0)
+
+
+def test_smoothed_int8_recipe_builds_a_running_variant(built, tmp_path):
+    cfg = QuantizeConfig(
+        method="int8_dynamic", weight_type="QInt8", per_channel=True, smooth_alpha=0.5, outlier_ratio=1.5
+    )
+    assert cfg.needs_calibration
+    result = quantize.run(cfg, built["optimized"], built["hf"], tmp_path / "v", {}, CALIBRATION)
+    graph = onnx_io.load(result.out_dir, with_weights=False)
+    ops = onnx_io.op_counts(graph)
+    assert "MatMulInteger" in ops or "DynamicQuantizeMatMul" in ops
+    assert ops.get("MatMul", 0) >= 1  # a low ratio keeps the inputs with the most outlying tokens float
+    assert TextGenerator(result.out_dir).generate("the", 3)
+
+
+def test_smoothing_options_belong_to_int8_methods():
+    with pytest.raises(ValueError, match="smooth_alpha does not apply to method weight_only"):
+        QuantizeConfig(method="weight_only", smooth_alpha=0.5)
+    with pytest.raises(ValueError, match="outlier_ratio"):
+        QuantizeConfig(method="int8_dynamic", outlier_ratio=0.5)
