@@ -5,8 +5,8 @@ level, memory pattern and arena, and the decoder's prefill chunk.
 Coordinate descent: each setting in turn takes the value that generated fastest while the others
 stay at their best so far (9 trials on 2 cores instead of 144 for the full grid). The objective is
 the whole workload's wall time (prefill plus every decode step), median of a few runs, each trial
-with its own session and a warm-up. A prefill chunk is taken unless it is measurably slower
-(CHUNK_SLACK): running a prompt in pieces bounds the activation memory that onnxruntime keeps.
+with its own session and a warm-up. A prefill chunk, like every other setting, wins only by being
+faster; an application that needs to bound activation memory on long prompts can set one itself.
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-CHUNK_SLACK = 0.03  # a smaller prefill chunk wins unless it makes the workload 3% slower
-
 
 def dimensions(cores: int) -> dict[str, list]:
     return {
@@ -32,14 +30,6 @@ def dimensions(cores: int) -> dict[str, list]:
         "enable_cpu_mem_arena": [True, False],
         "prefill_chunk": [64, 32],
     }
-
-
-def better(name: str, seconds: float, best_seconds: float, fastest: float) -> bool:
-    """Faster than the best so far; a prefill chunk only has to stay within CHUNK_SLACK of the
-    fastest trial (it costs nothing measurable and bounds memory)."""
-    if name == "prefill_chunk":
-        return seconds <= fastest * (1 + CHUNK_SLACK)
-    return seconds < best_seconds
 
 
 def workload_seconds(model_dir: Path, settings: dict, prompt: list[int], new_tokens: int, repeats: int) -> float:
@@ -72,7 +62,6 @@ def sweep(model_dir: str, prompt: list[int], new_tokens: int, repeats: int = 2) 
             seconds = workload_seconds(Path(model_dir), candidate, prompt, new_tokens, repeats)
             trials.append({"settings": candidate, "seconds": seconds})
             log.debug("%s=%s: %.1f ms (trial took %.1f s)", name, value, seconds * 1e3, time.perf_counter() - started)
-            fastest = min(trial["seconds"] for trial in trials)
-            if better(name, seconds, best_seconds, fastest):
+            if seconds < best_seconds:
                 best, best_seconds = candidate, seconds
     return {"session": best, "workload_seconds": best_seconds, "trials": trials}
