@@ -109,7 +109,7 @@ def short_engines(model: str) -> dict[str, dict]:
         "PyTorch fp32, KV cache": {"kind": "torch-kv", "path": str(paths.hf_dir(model))},
         "optimum export fp32, ORT defaults": {"kind": "ort-plain", "path": str(optimum_fp32(model))},
     }
-    for name in ("fp32", "int8", "int4", "int4_mixed"):
+    for name in ("fp32", "int8", "int8_smooth", "int4", "int4_mixed"):
         if paths.variant_dir(model, name).is_dir():
             specs[f"ortforge {name}"] = {"kind": "ort", "path": variant(name), "tuned": True}
     if (built := genai_int4(model)) is not None:
