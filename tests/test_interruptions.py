@@ -20,8 +20,8 @@ KILLED_MID_WRITE = textwrap.dedent(
 
     real_save = onnx_io.save
 
-    def save_then_die(model, folder):
-        real_save(model, folder)
+    def save_then_die(model, folder, **options):
+        real_save(model, folder, **options)
         os.kill(os.getpid(), signal.SIGKILL)
 
     onnx_io.save = save_then_die
