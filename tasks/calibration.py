@@ -100,11 +100,10 @@ def activations(model, tensor_names: list[str], chunks: list[np.ndarray], head_d
 def input_hessians(model, tensor_names: list[str], chunks: list[np.ndarray], head_dim: int) -> dict[str, np.ndarray]:
     """2 / n * sum(x x^T) over every row x of each named tensor (GPTQ's H), in float64."""
     sums: dict[str, np.ndarray] = {}
-    rows = 0
     for batch in activations(model, tensor_names, chunks, head_dim):
         for name, x in batch.items():
             sums[name] = sums.get(name, 0) + x.T @ x
-        rows += len(next(iter(batch.values())))
+    rows = sum(len(ids) for ids in chunks)  # one row per token: a prefill of batch 1
     return {name: total * (2 / rows) for name, total in sums.items()}
 
 
