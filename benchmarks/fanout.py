@@ -24,6 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from flows.dvc import dvc as run_dvc  # noqa: E402
 from tasks.files import atomic_write_json  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
@@ -32,7 +33,7 @@ DEFAULT_VARIANTS = "int8,int4,int4_hqq,int4_mixed"
 
 
 def dvc(root: Path, *args: str) -> None:
-    subprocess.run([sys.executable, "-m", "dvc", *args], cwd=root, check=True, capture_output=True)
+    run_dvc(root, *args, echo=False)  # quiet: only the timings are printed
 
 
 def prepare(model: str) -> Path:
