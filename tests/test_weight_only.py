@@ -163,3 +163,15 @@ def test_data_aware_and_hqq_algorithms_build_running_models(built, tmp_path, alg
     quantized = weight_only.quantize_model(model, cfg, hessians)
     logits = logits_of(quantized, tmp_path / algorithm)
     assert np.isfinite(logits).all()
+
+
+def test_linears_reading_one_input_become_one_matmul(built):
+    optimized = onnx_io.load(built["optimized"])
+    linears = weight_only.linear_layers(optimized, 32)
+    model = weight_only.quantize_model(copy.deepcopy(optimized), QuantizeConfig(method="weight_only"))
+    splits = [n for n in model.graph.node if n.op_type == "Split"]
+    readers = [n.input[0] for n in model.graph.node if n.op_type == "MatMulNBits" and n.name != "lm_head/MatMulNBits"]
+    assert len(readers) == len(set(readers)) == len({linear.node.input[0] for linear in linears}) < len(linears)
+    assert {out for split in splits for out in split.output} == {
+        linear.node.output[0] for group in weight_only.sibling_groups(linears) if len(group) > 1 for linear in group
+    }
