@@ -137,7 +137,7 @@ class QuantizeConfig(Strict):
     )
     block_size: int = Field(32, ge=16, le=256, description="weights per block along K (a power of two)")
     zero_point: Literal["none", "integer", "float"] = Field(
-        "float", description="none: symmetric; integer: uint zero points; float: exact asymmetric range"
+        "float", description="none: symmetric; integer: uint zero points; float: the range exactly (offset rows)"
     )
     accuracy_level: int = Field(4, ge=0, le=4, description="MatMulNBits compute: 0 float32, 4 int8 activations")
     output_bits: Literal[4, 8, 32] = Field(4, description="the output layer and tied embedding; 32 keeps float")

@@ -5,15 +5,16 @@ GatherBlockQuantized for the embedding lookup), so the vocabulary matrix is stor
 Why a rewrite of our own around onnxruntime's operators and algorithms: onnxruntime's quantizer
 rounds asymmetric zero points to integers (on SmolLM2 that alone costs +17% perplexity), its float
 zero points (HQQ) have no fast CPU kernel (10x slower decode here), and it stores a tied vocabulary
-matrix twice. A float zero point z is exact when written as a symmetric MatMulNBits plus a per-block
-offset: w = s*(q - mid) + s*(mid - z), and x.W = MatMulNBits(x) + blocksum(x) . R with
-R[b, n] = s*(mid - z): a block sum per layer input and a small MatMul and Add per layer, which
-cost SmolLM2 about a sixth of its decode time. On weights that came from a GGUF Q4_1 file (the
-default model) this reproduces them exactly; integer zero points remain available (faster, lossier).
+matrix twice. A float zero point z is written as the integer round(z) plus a per-block remainder:
+w = s*(q - round(z)) + s*(round(z) - z), and x.W = x.W_int + blocksum(x) . R with
+R[b, n] = s*(round(z) - z). The block sums are appended to the layer's input and R's codes to the
+weight's, so one MatMulNBits computes both (see offset_rows). On weights that came from a GGUF
+Q4_1 file (the default model) this keeps the file's values to about a fifteenth of what rounding
+the zero points would cost; integer zero points remain available (slightly faster, lossier).
 
 Codes come from round-to-nearest, an importance-weighted range search (imatrix, with activation
 statistics from calibration text), onnxruntime's HQQ solver, or onnxruntime's GPTQ (with Hessians
-from calibration text). Scales and offsets are stored as float16 and cast to float32 in the graph
+from calibration text). Scales are stored as float16 and cast to float32 in the graph
 (folded at session load), which halves their size on disk.
 """
 
@@ -188,8 +189,9 @@ class GraphWriter:
         )
         return name
 
-    def block_sum(self, x: str, blocks: int, block: int) -> str:
-        """[batch, seq, K] -> [batch, seq, K // block]: sums over each block of K, shared per input."""
+    def with_block_sums(self, x: str, blocks: int, block: int) -> str:
+        """[batch, seq, K] -> [batch, seq, K + K // block]: x and its sums over each block of K,
+        computed once per input."""
         from onnx import helper
 
         key = (x, block)
@@ -203,9 +205,10 @@ class GraphWriter:
                     helper.make_node(
                         "ReduceSum", [stem + "/blocks", axes], [stem], keepdims=0, name=stem + "/ReduceSum"
                     ),
+                    helper.make_node("Concat", [x, stem], [stem + "/appended"], axis=-1, name=stem + "/Concat"),
                 ]
             )
-            self.block_sums[key] = stem
+            self.block_sums[key] = stem + "/appended"
         return self.block_sums[key]
 
 
@@ -241,37 +244,54 @@ class StoredCodes:
     zero_points: str | None
 
 
+def offset_rows(codes: BlockCodes) -> BlockCodes:
+    """Float zero points as integer ones plus K rows that MatMulNBits multiplies with block sums.
+
+    w = s*(q - round(z)) + s*(round(z) - z): the second term is one value per block and column,
+    R[b, n], so x.W = x.W_int + blocksum(x).R. Appending the block sums to x and R's codes to the
+    weight's lets one MatMulNBits compute both. R has its own grid per column (bits wide); as
+    |R| <= s/2 where z lies within the grid, its rounding costs about a fifteenth of what rounding
+    z would (a block whose values all share one sign has z outside the grid, a larger R, and
+    coarsens its column's R grid; trained weights rarely have such blocks, SmolLM2 none).
+    """
+    n, k = codes.codes.shape
+    levels = 2**codes.bits - 1
+    zeros = np.clip(np.round(codes.zeros), 0, levels)
+    blocks = k // codes.block
+    rows = np.zeros((-(-blocks // codes.block) * codes.block, n))
+    rows[:blocks] = (codes.scales * (zeros - codes.zeros)).T
+    extra = round_to_nearest(rows, codes.bits, codes.block, "integer")
+    return BlockCodes(
+        np.concatenate([codes.codes, extra.codes], axis=1),
+        np.concatenate([codes.scales, extra.scales], axis=1),
+        np.concatenate([zeros, extra.zeros], axis=1),
+        codes.bits,
+        codes.block,
+    )
+
+
 def write_matmul(
     writer: GraphWriter, x: str, output: str, stem: str, codes: BlockCodes, accuracy_level: int
 ) -> StoredCodes:
-    """MatMulNBits for x.W into output; float zero points become the block-offset correction."""
+    """MatMulNBits for x.W into output; float zero points read x with its block sums appended."""
     from onnx import helper
 
-    n, k = codes.codes.shape
+    k = codes.codes.shape[1]
+    symmetric = bool(np.all(codes.zeros == codes.mid))
+    if not symmetric and not is_integer_grid(codes):
+        blocks = k // codes.block
+        x, k, codes = writer.with_block_sums(x, blocks, codes.block), k + blocks, offset_rows(codes)
     packed = writer.constant(stem + "/q", pack(codes.codes, codes.bits, codes.block))
     scales = writer.half_constant(stem + "/scales", codes.scales)
     inputs = [x, packed, scales]
-    symmetric = bool(np.all(codes.zeros == codes.mid))
-    exact_integer = not symmetric and is_integer_grid(codes)
     zero_points = None
-    if exact_integer:
+    if not symmetric:
         zero_points = writer.constant(stem + "/zero_points", pack_zero_points(codes.zeros, codes.bits))
         inputs.append(zero_points)
+    n = codes.codes.shape[0]
     attrs = {"K": k, "N": n, "bits": codes.bits, "block_size": codes.block, "accuracy_level": accuracy_level}
-    offset_needed = not symmetric and not exact_integer
-    main = output + "/nbits" if offset_needed else output
-    node = helper.make_node("MatMulNBits", inputs, [main], domain="com.microsoft", name=stem + "/MatMulNBits", **attrs)
+    node = helper.make_node("MatMulNBits", inputs, [output], stem + "/MatMulNBits", domain="com.microsoft", **attrs)
     writer.model.graph.node.append(node)
-    if offset_needed:
-        offsets = (codes.scales.astype(np.float64) * (codes.mid - codes.zeros)).T  # [blocks, N]
-        r = writer.half_constant(stem + "/offsets", offsets)
-        sums = writer.block_sum(x, k // codes.block, codes.block)
-        writer.model.graph.node.extend(
-            [
-                helper.make_node("MatMul", [sums, r], [output + "/offset"], name=stem + "/offset/MatMul"),
-                helper.make_node("Add", [main, output + "/offset"], [output], name=stem + "/offset/Add"),
-            ]
-        )
     return StoredCodes(packed, scales, zero_points)
 
 

@@ -1,5 +1,6 @@
 """weight_only: the codes reproduce what they claim, the graph computes exactly what the codes say
-(offset form and tied embedding included), and each algorithm and mixed precision takes effect."""
+(offset rows, packed siblings and tied embedding included), and each algorithm and mixed precision
+takes effect."""
 
 from __future__ import annotations
 
@@ -18,10 +19,11 @@ IDS = np.array([5, 17, 99, 250, 3, 7, 11, 200, 42, 8])
 
 
 def q4_1_grid(rng, k=64, n=48, block=32) -> np.ndarray:
-    """Weights as a GGUF Q4_1 file holds them: per block, d * q + m with float16 d and m."""
+    """Weights as a GGUF Q4_1 file holds them: per block, d * q + m with float16 d and m; like trained
+    weights, each block holds values of both signs."""
     blocks = k // block
     d = rng.uniform(0.001, 0.05, (blocks, 1, n)).astype(np.float16).astype(np.float32)
-    m = rng.uniform(-0.3, 0.1, (blocks, 1, n)).astype(np.float16).astype(np.float32)
+    m = (-d * rng.uniform(1, 14, (blocks, 1, n))).astype(np.float16).astype(np.float32)
     q = rng.integers(0, 16, (blocks, block, n))
     q[:, 0, :], q[:, 1, :] = 0, 15  # the quantizer puts each block's min and max on the ends
     return (d * q + m).reshape(k, n)
@@ -33,6 +35,26 @@ def test_float_zero_points_reproduce_a_q4_1_grid_exactly():
     np.testing.assert_allclose(codes.dequantize(), weights, atol=1e-6)
     integer = weight_only.round_to_nearest(weights, bits=4, block=32, zero_point="integer")
     assert np.abs(integer.dequantize() - weights).max() > 1e-3  # what rounding the zero point costs
+
+
+def effective_weights(codes: weight_only.BlockCodes) -> np.ndarray:
+    """W that the graph multiplies by: float zero points go through offset rows on block sums."""
+    if np.all(codes.zeros == codes.mid) or weight_only.is_integer_grid(codes):
+        return codes.dequantize()
+    k = codes.codes.shape[1]
+    rows = weight_only.offset_rows(codes).dequantize()
+    return rows[:k] + np.repeat(rows[k : k + k // codes.block], codes.block, axis=0)
+
+
+def test_offset_rows_keep_float_zero_points_far_closer_than_rounding_them():
+    rng = np.random.default_rng(1)
+    weights = q4_1_grid(rng, k=128, n=64)
+    codes = weight_only.round_to_nearest(weights, bits=4, block=32, zero_point="float")
+    rounded = weight_only.BlockCodes(codes.codes, codes.scales, np.round(codes.zeros), 4, 32)
+    x = rng.normal(size=(16, 128))
+    exact = x @ weights
+    with_rows = np.abs(x @ effective_weights(codes) - exact).mean()
+    assert with_rows * 8 < np.abs(x @ rounded.dequantize() - exact).mean()
 
 
 @pytest.mark.parametrize("zero_point", ["none", "integer", "float"])
@@ -68,7 +90,7 @@ def weights_swapped_for(model, cfg: QuantizeConfig):
     for linear in weight_only.linear_layers(model, cfg.block_size):
         w = numpy_helper.to_array(initializers[linear.weight_name])
         codes = weight_only.round_to_nearest(w, cfg.bits, cfg.block_size, cfg.zero_point)
-        initializers[linear.weight_name].CopyFrom(numpy_helper.from_array(codes.dequantize(), linear.weight_name))
+        initializers[linear.weight_name].CopyFrom(numpy_helper.from_array(effective_weights(codes), linear.weight_name))
     head = weight_only.output_layer(model)
     zero_point = "none" if cfg.zero_point == "none" else "integer"
     dequantized = weight_only.round_to_nearest(head.weight, cfg.output_bits, cfg.block_size, zero_point).dequantize()
@@ -114,14 +136,15 @@ def test_tied_vocabulary_is_stored_once(built):
     assert reshape.input[0] == "lm_head/q"
 
 
-def test_offset_form_only_for_float_zero_points(built):
+def test_block_sums_only_for_float_zero_points(built):
     optimized = onnx_io.load(built["optimized"])
     for zero_point, offsets in (("float", True), ("integer", False), ("none", False)):
         model = weight_only.quantize_model(
             copy.deepcopy(optimized), QuantizeConfig(method="weight_only", zero_point=zero_point)
         )
-        names = [n.name for n in model.graph.node]
-        assert any(name.endswith("/offset/MatMul") for name in names) is offsets, zero_point
+        concats = [n for n in model.graph.node if n.name.endswith("/block_sum32/Concat")]
+        assert bool(concats) is offsets, zero_point
+        assert "MatMul" not in {n.op_type for n in model.graph.node}  # the offsets ride in MatMulNBits
 
 
 def test_eight_bit_blocks_and_output_bits(built):
