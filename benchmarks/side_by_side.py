@@ -220,7 +220,7 @@ def plot(report: dict, path: Path) -> None:
     axes[0].set_yticks(y, names, fontsize=8)
     axes[0].invert_yaxis()
     axes[0].set_xlabel("decode tokens/s (128-token prompt, 64 new tokens)")
-    axes[0].legend(fontsize=7, loc="lower right")
+    axes[0].legend(fontsize=7, loc="upper right")
     axes[1].barh(y, [short[n]["first_token_ms_p50"] for n in names], color="#3b75af")
     axes[1].set_yticks(y, [""] * len(names))
     axes[1].invert_yaxis()
