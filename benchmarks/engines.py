@@ -64,6 +64,48 @@ class RecomputeDecoder:
         return logits, sequence
 
 
+class TimedRuns:
+    """A decoder wrapper that records how long each model run takes."""
+
+    def __init__(self, inner):
+        self.inner, self.seconds = inner, []
+
+    def empty_cache(self):
+        return self.inner.empty_cache()
+
+    def forward(self, token_ids, cache, last_only: bool = False):
+        start = time.perf_counter()
+        result = self.inner.forward(token_ids, cache, last_only)
+        self.seconds.append(time.perf_counter() - start)
+        return result
+
+    def rewind(self, cache, length: int):
+        return self.inner.rewind(cache, length)
+
+
+def _generate_with_lookup(decoder, prompt: list[int], new_tokens: int, draft_tokens: int, decode_runs: list):
+    """(first-token seconds, per-token seconds) for prompt lookup decoding. A run that yields k
+    tokens gives each of them 1/k of its time (the tokens arrive together); the time between runs
+    (lookup, argmax) goes to the run after it, so the per-token times add up to the decode time.
+    Appends the number of decode runs (prefill excluded) to decode_runs."""
+    from ortforge.generate import greedy_tokens
+
+    timed = TimedRuns(decoder)
+    start = time.perf_counter()
+    runs_before, marks = [], []
+    for _ in greedy_tokens(timed, prompt, new_tokens, prompt_lookup=draft_tokens):
+        runs_before.append(len(timed.seconds))
+        marks.append(time.perf_counter())
+    first = marks[0] - start
+    steps = []
+    for run in sorted(set(runs_before[1:])):
+        tokens = [i for i in range(1, len(marks)) if runs_before[i] == run]
+        elapsed = marks[tokens[-1]] - marks[tokens[0] - 1]
+        steps += [elapsed / len(tokens)] * len(tokens)
+    decode_runs.append(len(timed.seconds) - 1)
+    return first, steps
+
+
 def _decoder(spec: dict):
     from ortforge import Decoder, SessionSettings, create_session
 
@@ -153,7 +195,7 @@ def measure(spec: dict, prompt: list[int], new_tokens: int, warmup: int, repeats
     from tasks.timing import peak_rss_mb
 
     started = time.perf_counter()
-    kind = spec["kind"]
+    kind, decode_runs = spec["kind"], []
     if kind == "genai":
         once = _run_genai(Path(spec["path"]), prompt, new_tokens)
     elif kind == "llamacpp":
@@ -162,6 +204,8 @@ def measure(spec: dict, prompt: list[int], new_tokens: int, warmup: int, repeats
         decoder = _decoder(spec)
 
         def once():
+            if spec.get("prompt_lookup"):
+                return _generate_with_lookup(decoder, prompt, new_tokens, spec["prompt_lookup"], decode_runs)
             return _generate(decoder, prompt, new_tokens, spec.get("sample_steps"))
 
     load = time.perf_counter() - started
@@ -173,4 +217,5 @@ def measure(spec: dict, prompt: list[int], new_tokens: int, warmup: int, repeats
         "step_s": [list(steps) for _, steps in runs],
         "load_s": load,
         "peak_rss_mb": peak_rss_mb(),
+        "decode_runs": decode_runs[-repeats:] if decode_runs else None,  # prompt lookup only
     }

@@ -1,5 +1,6 @@
 """Side-by-side CPU generation benchmark: PyTorch with and without its KV cache, onnxruntime on
-optimum's export with default settings, ortforge's built variants, and, when installed,
+optimum's export with default settings, ortforge's built variants (int4 also with prompt lookup
+decoding, a different kind of speed-up, on its own row), and, when installed,
 onnxruntime-genai's int4 build with its own runtime and llama.cpp (llama-cpp-python) on the
 original GGUF. Each engine runs in its own fresh process, engines interleave over rounds, and
 figures are medians (p50) and p95 over every timed token.
@@ -40,6 +41,7 @@ from tasks.timing import in_fresh_process  # noqa: E402
 RESULTS = REPO / "benchmarks" / "results"
 CACHE = REPO / "benchmarks" / ".cache"
 WORKLOADS = {"short": (128, 64), "long": (2048, 200)}
+LOOKUP_DRAFT = 3  # draft tokens per step for prompt lookup decoding (ortforge.lookup)
 
 
 def memory_bandwidth_gb_s(size_mb: int = 512, seconds: float = 2.0) -> float:
@@ -112,6 +114,13 @@ def short_engines(model: str) -> dict[str, dict]:
     for name in ("fp32", "int8", "int8_smooth", "int4", "int4_mixed"):
         if paths.variant_dir(model, name).is_dir():
             specs[f"ortforge {name}"] = {"kind": "ort", "path": variant(name), "tuned": True}
+    if paths.variant_dir(model, "int4").is_dir():  # a different kind of speed-up, reported apart
+        specs[f"ortforge int4 + prompt lookup ({LOOKUP_DRAFT} tokens)"] = {
+            "kind": "ort",
+            "path": variant("int4"),
+            "tuned": True,
+            "prompt_lookup": LOOKUP_DRAFT,
+        }
     if (built := genai_int4(model)) is not None:
         specs["onnxruntime-genai int4 + its runtime"] = {"kind": "genai", "path": str(built)}
     if (gguf := gguf_file(model)) is not None:
@@ -151,8 +160,11 @@ def summarize(runs: list[dict], spec: dict, prompt_tokens: int, bandwidth: float
     e2e = [f + sum(r) for run in runs for f, r in zip(run["first_token_s"], run["step_s"], strict=True)]
     size = size_mb(spec)
     roofline = bandwidth * 1e3 / size  # tokens/s if each token read every weight byte once
+    decode_runs = [n for run in runs for n in run.get("decode_runs") or []]
     return {
         "decode_tokens_per_second": float(np.median(rates)),
+        # prompt lookup only: decode tokens per model run (1.0 means no draft was ever accepted)
+        "tokens_per_run": float(steps.size / sum(decode_runs)) if decode_runs else None,
         "decode_ms_p50": float(np.percentile(steps, 50) * 1e3),
         "decode_ms_p95": float(np.percentile(steps, 95) * 1e3),
         "first_token_ms_p50": float(np.percentile(first, 50) * 1e3),
@@ -257,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     prompt = prompt_ids(paths.hf_dir(args.model), text, prompt_tokens)
     report["short"] = run_workload(short_engines(args.model), prompt, new_tokens, args.rounds, bandwidth)
     print(table(report["short"]))
+    for name, result in report["short"].items():
+        if result["tokens_per_run"]:
+            print(f"  {name}: {result['tokens_per_run']:.2f} decode tokens per model run")
     if not args.skip_long:
         prompt_tokens, new_tokens = WORKLOADS["long"]
         print("long workload (the x-lighter chain)", flush=True)

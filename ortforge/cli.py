@@ -124,7 +124,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     folder = _variant_to_run(args.root, args.model, args.variant)
     prompt = sys.stdin.buffer.read().decode("utf-8") if args.prompt == "-" else _argument_text(args.prompt)
     print(f"[{args.model}/{folder.name}]", file=sys.stderr)
-    for piece in TextGenerator(folder).stream(prompt, args.max_new_tokens):
+    for piece in TextGenerator(folder, prompt_lookup=args.prompt_lookup).stream(prompt, args.max_new_tokens):
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
@@ -172,6 +172,13 @@ def parser() -> argparse.ArgumentParser:
     sub.add_argument("prompt", help="the prompt text, or - to read it from stdin (UTF-8)")
     sub.add_argument("--variant", help="default: the variant the report recommends")
     sub.add_argument("--max-new-tokens", type=int, default=64)
+    sub.add_argument(
+        "--prompt-lookup",
+        type=int,
+        default=0,
+        metavar="N",
+        help="check up to N draft tokens looked up in the text per step: same tokens, faster where text repeats",
+    )
     command("doctor", cmd_doctor, "versions, CPU features, threads, free disk and memory")
     return top
 

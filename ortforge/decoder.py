@@ -9,8 +9,8 @@ Two cache layouts, recorded in the model's metadata by the quantize stage (names
 - chained: graphs that concatenate past and new (optimum's export) return a grown present; its
   onnxruntime values are bound as the next step's past directly, never converted to numpy.
 
-The cache belongs to the decoder: a new empty_cache() starts a new sequence. A long prompt may run
-in chunks (prefill_chunk tokens each): same result, bounded activation memory.
+The cache belongs to the decoder: a new empty_cache() starts a new sequence, rewind() cuts it back.
+A long prompt may run in chunks (prefill_chunk tokens each): same result, bounded activation memory.
 """
 
 from __future__ import annotations
@@ -106,6 +106,20 @@ class Decoder:
             for piece in leading:  # their logits are not wanted: they only fill the cache
                 _, cache = self._run(np.ascontiguousarray(piece), cache, last_only=True)
         return self._run(np.ascontiguousarray(ids), cache, last_only)
+
+    def rewind(self, cache: KVCache, length: int) -> KVCache:
+        """The cache cut back to its first length tokens (speculative decoding drops a rejected draft).
+
+        Shared buffers only move the length: the next run overwrites what lies past it. Chained
+        presents are sliced (a copy)."""
+        if length >= cache.length:
+            return cache
+        if self.shared:
+            return KVCache(length)
+        values = [
+            ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v.numpy()[:, :, :length])) for v in cache.values
+        ]
+        return KVCache(length, values)
 
     def _run(self, ids: np.ndarray, cache: KVCache, last_only: bool) -> tuple[np.ndarray, KVCache]:
         start, total = cache.length, cache.length + ids.shape[1]

@@ -15,14 +15,23 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from ortforge.decoder import NOT_PICKLABLE, Decoder
+from ortforge.lookup import lookup_greedy_tokens
 from ortforge.names import GENERATION_CONFIG_FILE
 from ortforge.session import SessionSettings, create_session
 
 
 def greedy_tokens(
-    decoder: Decoder, prompt_ids: list[int], max_new_tokens: int, stop_ids: Iterable[int] = ()
+    decoder: Decoder,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    stop_ids: Iterable[int] = (),
+    prompt_lookup: int = 0,
 ) -> Iterator[int]:
-    """Yield up to max_new_tokens argmax tokens; one prefill pass, then one step per token."""
+    """Yield up to max_new_tokens argmax tokens; one prefill pass, then one step per token, or with
+    prompt_lookup > 0 up to that many looked-up draft tokens checked per step (ortforge.lookup)."""
+    if prompt_lookup > 0:
+        yield from lookup_greedy_tokens(decoder, prompt_ids, max_new_tokens, stop_ids, prompt_lookup)
+        return
     stop = set(stop_ids)
     logits, cache = decoder.forward(prompt_ids, decoder.empty_cache(), last_only=True)
     for produced in range(1, max_new_tokens + 1):
@@ -65,8 +74,12 @@ class TextGenerator:
     process (spawn, fork or a worker pool) creates its own TextGenerator from the folder.
     """
 
-    def __init__(self, model_dir: Path, settings: SessionSettings | None = None):
+    def __init__(self, model_dir: Path, settings: SessionSettings | None = None, prompt_lookup: int = 0):
+        """prompt_lookup: check up to this many draft tokens looked up in the text per step (0: off)."""
+        if prompt_lookup < 0:
+            raise ValueError(f"prompt_lookup {prompt_lookup} must be >= 0 (0 turns prompt lookup off)")
         model_dir = Path(model_dir)
+        self.prompt_lookup = prompt_lookup
         self.settings = settings or SessionSettings.for_artifact(model_dir)
         self.session = create_session(model_dir, self.settings)
         self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
@@ -88,11 +101,12 @@ class TextGenerator:
         return self.tokenizer.encode(text).ids
 
     def generate_ids(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-        return list(greedy_tokens(self.decoder, prompt_ids, max_new_tokens, self.stop_ids))
+        return list(greedy_tokens(self.decoder, prompt_ids, max_new_tokens, self.stop_ids, self.prompt_lookup))
 
     def stream(self, prompt: str, max_new_tokens: int) -> Iterator[str]:
         detokenizer = IncrementalDetokenizer(self.tokenizer)
-        for token in greedy_tokens(self.decoder, self.encode(prompt), max_new_tokens, self.stop_ids):
+        tokens = greedy_tokens(self.decoder, self.encode(prompt), max_new_tokens, self.stop_ids, self.prompt_lookup)
+        for token in tokens:
             piece = detokenizer.push(token)
             if piece:
                 yield piece

@@ -35,6 +35,16 @@ def test_measure_reports_every_step(specs):
     assert result["peak_rss_mb"] > 10
 
 
+def test_prompt_lookup_timing_gives_every_token_its_share_of_a_run(specs):
+    spec = specs["ort"] | {"prompt_lookup": 3}
+    result = engines.measure(spec, PROMPT * 3, new_tokens=24, warmup=0, repeats=2)
+    assert [len(s) for s in result["step_s"]] == [23, 23]
+    assert all(0 < runs <= 23 for runs in result["decode_runs"])
+    for steps, runs in zip(result["step_s"], result["decode_runs"], strict=True):
+        assert len(set(steps)) <= runs  # the tokens of one run share its time equally
+    assert engines.measure(specs["ort"], PROMPT, new_tokens=3, warmup=0, repeats=1)["decode_runs"] is None
+
+
 def test_sampled_steps_interpolate_between_measured_lengths(specs):
     spec = specs["torch-nokv"] | {"sample_steps": 3}
     result = engines.measure(spec, PROMPT, new_tokens=9, warmup=0, repeats=1)
@@ -47,6 +57,9 @@ def test_summarize_and_lighter_arithmetic():
     summary = side_by_side.summarize(runs, spec | {"path": __file__}, prompt_tokens=10, bandwidth=10.0)
     assert summary["decode_tokens_per_second"] == pytest.approx(75.0)  # median of 100 and 50
     assert summary["end_to_end_s"] == pytest.approx(np.median([0.14, 0.18]))
+    assert summary["tokens_per_run"] is None
+    with_lookup = side_by_side.summarize([runs[0] | {"decode_runs": [2, 4]}], spec | {"path": __file__}, 10, 10.0)
+    assert with_lookup["tokens_per_run"] == pytest.approx(8 / 6)
     chain = {"a": {"end_to_end_s": 100.0}, "b": {"end_to_end_s": 10.0}, "c": {"end_to_end_s": 2.0}}
     light = side_by_side.lighter(chain)
     assert light["x_lighter"] == 50.0 and light["steps"] == {"b": 10.0, "c": 5.0}

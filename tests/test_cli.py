@@ -60,3 +60,17 @@ def test_doctor_reports_versions_cpu_threads_and_disk(capsys):
     out = capsys.readouterr().out
     for fact in ("python:", "avx2", "threads:", "memory:", "disk:", "onnxruntime"):
         assert fact in out
+
+
+def test_generate_with_prompt_lookup_prints_the_same_text(built, params, tmp_path, capsys):
+    from ortforge.generate import TextGenerator
+    from tests.test_text_encoding import validated_project
+
+    root = validated_project(built, params, tmp_path)
+    prompt = "the GNU General Public License is free; the GNU General Public License is"
+    args = ["--root", str(root), "generate", "tiny", prompt, "--variant", "int4", "--max-new-tokens", "20"]
+    assert cli.main(args + ["--prompt-lookup", "3"]) == 0
+    expected = "".join(TextGenerator(root / "artifacts" / "tiny" / "variants" / "int4").stream(prompt, 20))
+    assert capsys.readouterr().out == expected + "\n"
+    assert cli.main(args + ["--prompt-lookup", "-1"]) == 2
+    assert "prompt_lookup -1 must be >= 0" in capsys.readouterr().err
