@@ -6,7 +6,12 @@ NGRAM_SIZES tokens are a draft. One run scores the new token and the draft toget
 longest prefix that greedy decoding would have produced is kept, plus the model's own next token.
 A run costs more than a one-token step (about 1.6x for four tokens on SmolLM2 int4), so it pays
 when drafts are accepted; where nothing repeats no draft is proposed and a step is a plain step.
-The tokens are greedy decoding's, up to rounding differences between one- and many-token runs.
+
+The tokens are greedy decoding's as far as a many-token run computes the same logits as one-token
+steps: exactly so in float, to rounding in weight-only variants (their kernels sum in another
+order, which can flip a near tie: SmolLM2 int4 first differs at token 32 of the bench workload).
+Dynamic int8 variants (int8_dynamic, int8_smooth) quantize all rows of a run with one scale, so
+their tokens drift sooner (int8_smooth: token 5 to 8).
 """
 
 from __future__ import annotations
