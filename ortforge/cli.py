@@ -177,7 +177,7 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         metavar="N",
-        help="check up to N draft tokens looked up in the text per step: same tokens, faster where text repeats",
+        help="check up to N draft tokens looked up in the text per step: faster where the text repeats",
     )
     command("doctor", cmd_doctor, "versions, CPU features, threads, free disk and memory")
     return top
