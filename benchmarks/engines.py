@@ -8,6 +8,7 @@ child process only.
 
 from __future__ import annotations
 
+import itertools
 import time
 from pathlib import Path
 
@@ -96,12 +97,11 @@ def _generate_with_lookup(decoder, prompt: list[int], new_tokens: int, draft_tok
     for _ in greedy_tokens(timed, prompt, new_tokens, prompt_lookup=draft_tokens):
         runs_before.append(len(timed.seconds))
         marks.append(time.perf_counter())
-    first = marks[0] - start
-    steps = []
-    for run in sorted(set(runs_before[1:])):
-        tokens = [i for i in range(1, len(marks)) if runs_before[i] == run]
-        elapsed = marks[tokens[-1]] - marks[tokens[0] - 1]
-        steps += [elapsed / len(tokens)] * len(tokens)
+    first, previous, steps = marks[0] - start, marks[0], []
+    for _, run_tokens in itertools.groupby(range(1, len(marks)), key=runs_before.__getitem__):
+        tokens = list(run_tokens)  # the tokens one run yielded, in order
+        steps += [(marks[tokens[-1]] - previous) / len(tokens)] * len(tokens)
+        previous = marks[tokens[-1]]
     decode_runs.append(len(timed.seconds) - 1)
     return first, steps
 
