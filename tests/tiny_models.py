@@ -1,7 +1,8 @@
 """Tiny random models for tests, built from real architecture configs in seconds and offline:
 a byte-level BPE tokenizer trained on the evaluation text, a LLaMA-style model (and a Qwen2-style
 one, for a repository that builds two architectures), and the LLaMA model written as a GGUF file
-the way llama.cpp's converter lays it out."""
+the way llama.cpp's converter lays it out, with that byte-level vocabulary or with a SentencePiece
+BPE one (as Gemma and LLaMA 2 ship)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,10 @@ import numpy as np
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2, as in SmolLM2
 VOCAB_SIZE = 384
+# The SentencePiece vocabulary: turn markers as Gemma's (CONTROL) and pieces matched on the raw text
+# before anything else (USER_DEFINED), among them Gemma's newline run and an HTML tag.
+SPM_CONTROL = ["<start_of_turn>", "<end_of_turn>"]
+SPM_USER_DEFINED = ["\n\n", "<table>"]
 
 
 def train_tokenizer(text_path: Path):
@@ -100,7 +105,7 @@ def _llama_cpp_permute(weights: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
-def write_gguf(hf_dir: Path, path: Path, add_bos: bool = False) -> Path:
+def write_gguf(hf_dir: Path, path: Path, add_bos: bool = False, pre: str = "gpt2") -> Path:
     """Write the HF model in hf_dir as a float32 GGUF file with a gpt2-style tokenizer."""
     import json
 
@@ -108,26 +113,11 @@ def write_gguf(hf_dir: Path, path: Path, add_bos: bool = False) -> Path:
     from safetensors.numpy import load_file
 
     config = json.loads((hf_dir / "config.json").read_text())
-    tensors = load_file(hf_dir / "model.safetensors")
     tokenizer = json.loads((hf_dir / "tokenizer.json").read_text())
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_name("tiny-llama")
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_rope_freq_base(config["rope_theta"])
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_rope_dimension_count(config["hidden_size"] // heads)
-    writer.add_vocab_size(config["vocab_size"])
-
+    writer = _llama_writer(path, config)
     vocab = sorted(tokenizer["model"]["vocab"].items(), key=lambda item: item[1])
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt2")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list([token for token, _ in vocab])
     special = {i for i, _ in enumerate(SPECIAL_TOKENS)}
     writer.add_token_types(
@@ -139,7 +129,111 @@ def write_gguf(hf_dir: Path, path: Path, add_bos: bool = False) -> Path:
     writer.add_unk_token_id(0)
     writer.add_pad_token_id(2)
     writer.add_add_bos_token(add_bos)
+    _finish_gguf(writer, config, load_file(hf_dir / "model.safetensors"))
+    return path
 
+
+def train_sentencepiece(text_path: Path, prefix: Path, add_dummy_prefix: bool = False) -> Path:
+    """Train a tiny SentencePiece BPE model (<prefix>.model) with byte fallback on text_path."""
+    import sentencepiece
+
+    sentencepiece.SentencePieceTrainer.train(
+        input=str(text_path),
+        model_prefix=str(prefix),
+        model_type="bpe",
+        vocab_size=VOCAB_SIZE,
+        byte_fallback=True,
+        character_coverage=1.0,
+        normalization_rule_name="identity",  # llama.cpp applies no normalizer; nor may the original
+        remove_extra_whitespaces=False,
+        add_dummy_prefix=add_dummy_prefix,
+        control_symbols=SPM_CONTROL,
+        user_defined_symbols=SPM_USER_DEFINED,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        num_threads=1,
+        minloglevel=2,
+    )
+    return prefix.with_suffix(".model")
+
+
+def write_spm_gguf(path: Path, text_path: Path, add_space_prefix: bool = False, seed: int = 0) -> Path:
+    """Write a tiny random LLaMA as a float32 GGUF file with a SentencePiece ("llama") vocabulary.
+
+    The SentencePiece model it is converted from is trained on text_path and left beside the GGUF
+    file as <name>.model (trained with add_dummy_prefix = add_space_prefix), to compare against."""
+    import sentencepiece
+    import torch
+    from transformers import LlamaForCausalLM
+
+    processor = sentencepiece.SentencePieceProcessor(
+        model_file=str(train_sentencepiece(text_path, path.with_suffix(""), add_space_prefix))
+    )
+    tokens, scores, types = _sentencepiece_vocab(processor)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(llama_config(vocab_size=len(tokens), pad_token_id=None)).eval()
+    tensors = {name: value.detach().numpy() for name, value in model.state_dict().items()}
+    writer = _llama_writer(path, model.config.to_dict())
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(processor.bos_id())
+    writer.add_eos_token_id(processor.eos_id())
+    writer.add_unk_token_id(processor.unk_id())
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+    writer.add_add_space_prefix(add_space_prefix)
+    _finish_gguf(writer, model.config.to_dict(), tensors)
+    return path
+
+
+def _sentencepiece_vocab(processor) -> tuple[list[str], list[float], list[int]]:
+    """Pieces, scores and types as llama.cpp's converter writes them (user-defined pieces as listed
+    in an HF tokenizer_config: USER_DEFINED, with U+2581 written back as a space)."""
+    import gguf
+
+    tokens, scores, types = [], [], []
+    for i in range(processor.get_piece_size()):
+        piece, kind = processor.id_to_piece(i), gguf.TokenType.NORMAL
+        if processor.is_unknown(i):
+            kind = gguf.TokenType.UNKNOWN
+        elif processor.is_control(i):
+            kind = gguf.TokenType.CONTROL
+        elif processor.is_byte(i):
+            kind = gguf.TokenType.BYTE
+        elif piece in SPM_USER_DEFINED:
+            kind, piece = gguf.TokenType.USER_DEFINED, piece.replace("\u2581", " ")
+        tokens.append(piece)
+        scores.append(processor.get_score(i))
+        types.append(kind)
+    return tokens, scores, types
+
+
+def _llama_writer(path: Path, config: dict):
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tiny-llama")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_rope_freq_base(config["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_dimension_count(config["hidden_size"] // config["num_attention_heads"])
+    writer.add_vocab_size(config["vocab_size"])
+    return writer
+
+
+def _finish_gguf(writer, config: dict, tensors: dict[str, np.ndarray]) -> None:
+    """Add the LLaMA weights under llama.cpp's names, write the file and close it."""
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     names = {
         "model.embed_tokens.weight": "token_embd.weight",
         "model.norm.weight": "output_norm.weight",
@@ -168,4 +262,3 @@ def write_gguf(hf_dir: Path, path: Path, add_bos: bool = False) -> Path:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return path
