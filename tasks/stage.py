@@ -55,7 +55,7 @@ def stage_cli(
     parser.add_argument("--params", default="params.yaml", help="the params file (default: params.yaml)")
     parser.add_argument("--model", required=True, help="a model name from params.yaml `models`")
     if variant:
-        parser.add_argument("--variant", required=True, help="a variant name from params.yaml `quantize`")
+        parser.add_argument("--variant", required=True, help="a variant the model builds (params.yaml `builds`)")
     for flag, path_of in path_flags.items():
         shown = _default_path(path_of, "<model>", "<variant>")
         parser.add_argument(f"--{flag}", type=Path, dest=flag.replace("-", "_"), help=f"default: {shown}")
@@ -71,7 +71,7 @@ def stage_cli(
         params.model(args.model)
         chosen_variant = None
         if variant:
-            params.variant(args.variant)  # an unknown variant stops here, naming the known ones
+            params.build(args.model, args.variant)  # an unknown variant or build stops here, naming the known ones
             chosen_variant = args.variant
         resolved = {
             flag: getattr(args, flag.replace("-", "_")) or _default_path(path_of, args.model, chosen_variant)

@@ -10,15 +10,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ortforge.manifest import sha256_file
 from tasks import download
 from tasks.params import ModelSpec
+from tasks.paths import PINNED_SOURCE
 from tasks.stage import StageError
 from tests import tiny_models
+from tests.conftest import EVAL_TEXT
 
 REVISION = "0123456789abcdef0123456789abcdef01234567"
 
 
 def spec(**source) -> ModelSpec:
+    if source["kind"] in ("hub", "gguf_package"):  # pinned in params: they name the stand-in dependency
+        source.setdefault("path", str(PINNED_SOURCE))
+        if source["kind"] == "gguf_package":
+            source.setdefault("sha256", "0" * 64)
     return ModelSpec.model_validate({"source": source})
 
 
@@ -93,9 +100,72 @@ def test_run_finds_gguf_shipped_by_installed_package(tiny_gguf, tmp_path, monkey
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: tiny-models-pkg\nVersion: 1.2.3\n")
     monkeypatch.syspath_prepend(str(site))
     source = dict(kind="gguf_package", package="tiny-models-pkg", file="tiny_models_pkg/tiny.gguf")
-    download.run(spec(**source), tmp_path / "hf")
+    download.run(spec(**source, sha256=sha256_file(tiny_gguf)), tmp_path / "hf")
     record = json.loads((tmp_path / "hf" / "source.json").read_text())
     assert record["package_version"] == "1.2.3" and record["kind"] == "gguf_package"
+
+
+def fake_chunk_package(site: Path, gguf: Path) -> None:
+    """An installed distribution whose assemble(path) joins two chunks into the GGUF file, as the
+    Gemma 3 packages on PyPI do."""
+    package = site / "chunked_pkg"
+    package.mkdir(parents=True)
+    data = gguf.read_bytes()
+    (package / "part0").write_bytes(data[: len(data) // 2])
+    (package / "part1").write_bytes(data[len(data) // 2 :])
+    (package / "__init__.py").write_text(
+        "from pathlib import Path\n"
+        "def assemble(output_path):\n"
+        "    here = Path(__file__).parent\n"
+        "    Path(output_path).write_bytes((here / 'part0').read_bytes() + (here / 'part1').read_bytes())\n"
+        "    return Path(output_path)\n"
+    )
+    info = site / "chunked_pkg-1.0.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: chunked-pkg\nVersion: 1.0.0\n")
+
+
+def test_run_assembles_gguf_from_chunk_packages_and_leaves_no_scratch(tiny_gguf, tmp_path, monkeypatch):
+    fake_chunk_package(tmp_path / "site", tiny_gguf)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    source = dict(kind="gguf_package", package="chunked-pkg", assemble="chunked_pkg.assemble")
+    download.run(spec(**source, sha256=sha256_file(tiny_gguf)), tmp_path / "out" / "hf")
+    record = json.loads((tmp_path / "out" / "hf" / "source.json").read_text())
+    assert record["sha256"] == sha256_file(tiny_gguf) and record["assemble"] == "chunked_pkg.assemble"
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["hf"]  # the assembled file is gone
+
+
+def test_run_refuses_assembled_gguf_whose_hash_differs(tiny_gguf, tmp_path, monkeypatch):
+    fake_chunk_package(tmp_path / "site", tiny_gguf)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    source = dict(kind="gguf_package", package="chunked-pkg", assemble="chunked_pkg.assemble", sha256="1" * 64)
+    with pytest.raises(StageError, match="params.yaml expects 1111"):
+        download.run(spec(**source), tmp_path / "out" / "hf")
+    assert not (tmp_path / "out" / "hf").exists() and not list((tmp_path / "out").iterdir())
+
+
+def test_run_converts_a_slow_tokenizer_to_tokenizer_json(tiny_hf, tmp_path):
+    from tokenizers import Tokenizer
+    from transformers import LlamaTokenizer
+
+    spm = tiny_models.train_sentencepiece(EVAL_TEXT, tmp_path / "spm", add_dummy_prefix=True)
+    folder = tmp_path / "slow"
+    shutil.copytree(tiny_hf, folder, ignore=shutil.ignore_patterns("tokenizer*", "special_tokens_map.json"))
+    LlamaTokenizer(vocab_file=str(spm), legacy=True).save_pretrained(folder)
+    assert not (folder / "tokenizer.json").exists()
+    download.run(spec(kind="local", path=str(folder)), tmp_path / "hf")
+    converted = Tokenizer.from_file(str(tmp_path / "hf" / "tokenizer.json"))
+    slow = LlamaTokenizer(vocab_file=str(spm), legacy=True)
+    text = "The GNU General Public License is a free, copyleft license."
+    assert converted.encode(text).ids == slow(text).input_ids
+
+
+def test_run_refuses_a_source_without_a_tokenizer(tiny_hf, tmp_path):
+    folder = tmp_path / "bare"
+    shutil.copytree(tiny_hf, folder, ignore=shutil.ignore_patterns("tokenizer*", "special_tokens_map.json"))
+    with pytest.raises(StageError, match=r"has no tokenizer \(tokenizer.json, tokenizer.model, or vocab.json"):
+        download.run(spec(kind="local", path=str(folder)), tmp_path / "out" / "hf")
+    assert not (tmp_path / "out").exists()
 
 
 def truncated(path: Path, dest: Path, keep: float) -> Path:
@@ -108,6 +178,8 @@ def pickle_only(tiny_hf: Path, dest: Path) -> Path:
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(tiny_hf).save_pretrained(dest, safe_serialization=False)
+    for tokenizer_file in tiny_hf.glob("tokenizer*"):
+        shutil.copy(tokenizer_file, dest)
     assert not list(dest.glob("*.safetensors"))
     return dest
 

@@ -27,7 +27,9 @@ def test_adding_a_model_touches_only_params_and_only_its_stages_are_stale(pushed
 
     add_model(clone, "tiny-qwen", tiny_qwen_hf)
     stale = set(json.loads(dvc(clone, "status", "--json").stdout))
-    assert stale == stages_of("tiny-qwen")
+    # report@tiny reads the list of builds, which gained the new model's entries (DVC cannot track
+    # one model's part of it); it reruns and writes the same table.
+    assert stale == stages_of("tiny-qwen") | {"report@tiny"}
 
 
 def test_flow_fans_out_two_architectures_on_dask(tmp_path, tiny_hf, tiny_qwen_hf, prefect_api, monkeypatch):

@@ -14,8 +14,12 @@ from tests.conftest import REPO, TINY_PARAMS, write_params
 
 
 def unset_keys(model: BaseModel, prefix: str = "") -> list[str]:
-    """Keys left to their defaults anywhere in a validated params tree."""
-    missing = [prefix + name for name in type(model).model_fields if name not in model.model_fields_set]
+    """Keys left to their defaults anywhere in a validated params tree (optional keys, whose
+    default None means "not asked for", aside)."""
+    fields = type(model).model_fields
+    missing = [
+        prefix + name for name in fields if name not in model.model_fields_set and fields[name].default is not None
+    ]
     for name in model.model_fields_set:
         value = getattr(model, name)
         children = value.items() if isinstance(value, dict) else [(None, value)]

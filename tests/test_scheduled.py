@@ -52,8 +52,12 @@ def test_follow_upstream_bumps_followed_revision_keeping_comments(tmp_path, tiny
     from flows.scheduled import follow_upstream, upstream_revision
 
     params = tiny_params(tiny_hf)
-    params["models"]["followed"] = {"source": {"kind": "hub", "repo_id": "org/tiny", "revision": OLD, "follow": "main"}}
-    params["models"]["pinned"] = {"source": {"kind": "hub", "repo_id": "org/other", "revision": OLD}}
+    pinned = {"path": "data/sources/pinned.txt"}
+    params["models"]["followed"] = {
+        "source": {"kind": "hub", "repo_id": "org/tiny", "revision": OLD, "follow": "main"} | pinned
+    }
+    params["models"]["pinned"] = {"source": {"kind": "hub", "repo_id": "org/other", "revision": OLD} | pinned}
+    params["builds"] |= {f"{model}-fp32": {"model": model, "variant": "fp32"} for model in ("followed", "pinned")}
     path = write_params(tmp_path, params)
     path.write_text("# keep this comment\n" + path.read_text())
 
