@@ -1,117 +1,90 @@
 """Export an HF causal LM to a float32 ONNX graph with a KV cache, through one of two exporters:
 
-- optimum (text-generation-with-past): standard operators; attention as MatMul/Softmax subgraphs and
-  a cache that grows by concatenation.
 - genai (onnxruntime-genai's model builder, precision fp32): fused GroupQueryAttention with rotary
   embedding and a cache updated in place, packed QKV, SkipSimplifiedLayerNormalization; about 350
   nodes where optimum's graph has 5,000. Its quantizer is not used: ours runs in the quantize stage.
+- optimum (text-generation-with-past): standard operators; attention as MatMul/Softmax subgraphs and
+  a cache that grows by concatenation. The model is traced with eager attention, the family's own
+  definition (the SDPA path drops Gemma 2's attention softcapping).
+
+`exporter: auto` (per model) tries genai first and keeps its graph only if it matches PyTorch:
+the builder refuses some families and gets others subtly wrong (it hard-codes which Gemma 2 and 3
+layers attend locally), so every exported graph is compared with PyTorch before it is kept, on
+a sequence longer than the model's sliding window where it has one. Tied weights are stored once
+whichever exporter wrote them (tasks/shared_weights.py).
 
 Reads artifacts/<model>/hf; writes artifacts/<model>/onnx holding model.onnx whose inputs are
 input_ids, attention_mask, [position_ids,] past_key_values.{i}.key|value and whose outputs are
-logits, present.{i}.key|value (the names in ortforge.names), whichever exporter made it.
+logits, present.{i}.key|value (the names in ortforge.names), and export.json saying which
+exporter wrote it, why, and how closely it matches PyTorch.
 """
 
 from __future__ import annotations
 
-import json
 import logging
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from ortforge import names
-from tasks import onnx_io, paths
-from tasks.files import atomic_output_dir, folder_bytes, megabytes
+from tasks import architecture, onnx_io, paths, shared_weights
+from tasks.architecture import Architecture
+from tasks.files import atomic_output_dir, atomic_write_json, folder_bytes, megabytes
 from tasks.params import ExportConfig
 from tasks.stage import StageError, stage_cli
 
 log = logging.getLogger(__name__)
 
 TASK = "text-generation-with-past"
-# Causal LMs onnxruntime-genai 0.15's builder converts (its create_model dispatches on these).
-GENAI_ARCHITECTURES = frozenset(
-    {
-        "GemmaForCausalLM",
-        "Gemma2ForCausalLM",
-        "GraniteForCausalLM",
-        "LlamaForCausalLM",
-        "MistralForCausalLM",
-        "NemotronForCausalLM",
-        "OlmoForCausalLM",
-        "Phi3ForCausalLM",
-        "PhiForCausalLM",
-        "Qwen2ForCausalLM",
-        "Qwen3ForCausalLM",
-        "SmolLM3ForCausalLM",
-    }
-)
+RECORD_FILE = "export.json"
+# Largest |ORT logit - PyTorch logit| allowed, relative to the largest |PyTorch logit|: float32
+# rounding stays near 1e-5; a wrong attention window or a dropped softcap is 1e-2 and more.
+PARITY_TOLERANCE = 1e-3
+PARITY_TOKENS = 16
+PARITY_STEPS = 3  # cached one-token steps after the prefill
+LONGEST_PARITY_PREFILL = 1024  # a window longer than this is checked by the graph's structure alone
+
+
+class ExportRefused(Exception):
+    """One exporter could not produce a faithful graph; auto tries the next."""
 
 
 @dataclass(frozen=True)
 class ExportResult:
     out_dir: Path
+    exporter: str
     num_layers: int
     size_mb: float
 
 
-def check_exportable(hf_dir: Path, exporter: str) -> dict:
-    """Fail fast, before torch loads anything, when the folder or its architecture cannot export.
+def candidates(choice: str) -> tuple[str, ...]:
+    return ("genai", "optimum") if choice == "auto" else (choice,)
 
-    optimum says which architectures it supports; the genai builder only says so when it tries,
-    and export_genai translates its refusal.
-    """
-    config_path = hf_dir / names.MODEL_CONFIG_FILE
-    if not config_path.is_file():
-        raise StageError(f"{hf_dir} has no config.json; run the download stage first (dvc repro download@<model>)")
-    config = json.loads(config_path.read_text(encoding="utf-8"))
-    model_type = config.get("model_type")
-    if exporter == "genai":
-        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-        architecture = (config.get("architectures") or ["?"])[0]
-        if model_type not in CONFIG_MAPPING_NAMES or architecture not in GENAI_ARCHITECTURES:
-            raise StageError(
-                f"model_type `{model_type}` ({architecture}) in {config_path} cannot be exported by "
-                f"onnxruntime-genai's builder; it takes {', '.join(sorted(GENAI_ARCHITECTURES))}; "
-                f"or set export.exporter: optimum"
-            )
-        return config
+def check_optimum_supports(arch: Architecture) -> None:
     from optimum.exporters.onnx import model_configs  # noqa: F401  (registers the ONNX configs)
     from optimum.exporters.tasks import TasksManager
 
     try:
-        tasks = TasksManager.get_supported_tasks_for_model_type(model_type, "onnx", library_name="transformers")
+        tasks = TasksManager.get_supported_tasks_for_model_type(arch.model_type, "onnx", library_name="transformers")
     except KeyError:
         tasks = {}
     if TASK not in tasks:
-        raise StageError(
-            f"model_type `{model_type}` in {config_path} cannot be exported with a KV cache by optimum-onnx; "
-            f"use a supported causal LM (llama, mistral, qwen2, gpt2, phi3, ...)"
-        )
-    return config
+        raise ExportRefused(f"optimum-onnx cannot export model_type `{arch.model_type}` with a KV cache")
 
 
-def check_kv_names(model, num_layers: int) -> None:
-    inputs = {i.name for i in model.graph.input}
-    outputs = {o.name for o in model.graph.output}
-    want_in = {names.INPUT_IDS, names.ATTENTION_MASK, *names.past_names(num_layers)}
-    want_out = {names.LOGITS, *names.present_names(num_layers)}
-    missing = sorted((want_in - inputs) | (want_out - outputs))
-    if missing:
-        raise StageError(f"the exported graph lacks {missing}; the exporter's naming changed: pin it in versions.yaml")
+def export_optimum(cfg: ExportConfig, hf_dir: Path, out: Path, trust_remote_code: bool) -> None:
+    import torch
+    from optimum.exporters.onnx import onnx_export_from_model
+    from transformers import AutoModelForCausalLM
 
-
-def export_optimum(cfg: ExportConfig, hf_dir: Path, out: Path) -> None:
-    from optimum.exporters.onnx import main_export
-
-    main_export(
-        str(hf_dir),
-        output=str(out),
-        task=TASK,
-        opset=cfg.opset,
-        do_validation=False,  # the validate stage checks every variant against PyTorch
-        library_name="transformers",
-        local_files_only=True,
+    model = AutoModelForCausalLM.from_pretrained(
+        hf_dir, dtype=torch.float32, attn_implementation="eager", trust_remote_code=trust_remote_code
     )
+    # do_validation off: this stage compares the graph with PyTorch itself (parity below).
+    onnx_export_from_model(model, str(out), opset=cfg.opset, task=TASK, do_validation=False)
 
 
 def export_genai(hf_dir: Path, out: Path) -> None:
@@ -125,28 +98,137 @@ def export_genai(hf_dir: Path, out: Path) -> None:
             options = parse_extra_options(None, str(hf_dir), str(out), "fp32", "cpu", cache, [])
             create_model(None, str(hf_dir), str(out), "fp32", "cpu", cache, **options)
         except NotImplementedError as error:
-            raise StageError(
-                f"onnxruntime-genai's builder cannot export this model ({error}); set export.exporter: optimum"
-            ) from None
+            raise ExportRefused(f"onnxruntime-genai's builder does not take it ({error})") from None
+        except Exception as error:  # the builder fails on configs it half supports (KeyError, ...)
+            raise ExportRefused(f"onnxruntime-genai's builder failed ({type(error).__name__}: {error})") from None
 
 
-def run(cfg: ExportConfig, hf_dir: Path, out_dir: Path) -> ExportResult:
-    config = check_exportable(hf_dir, cfg.exporter)
+def check_kv_names(model, num_layers: int) -> None:
+    inputs = {i.name for i in model.graph.input}
+    outputs = {o.name for o in model.graph.output}
+    want_in = {names.INPUT_IDS, names.ATTENTION_MASK, *names.past_names(num_layers)}
+    want_out = {names.LOGITS, *names.present_names(num_layers)}
+    missing = sorted((want_in - inputs) | (want_out - outputs))
+    if missing:
+        raise ExportRefused(f"its graph lacks {missing[:4]}: the exporter's naming changed (pin it in versions.yaml)")
+
+
+def expected_windows(arch: Architecture) -> list[int]:
+    """Per layer, the tokens its attention sees (-1: all), as transformers' config declares."""
+    if arch.sliding_window is None:
+        return [-1] * arch.num_layers
+    if arch.layer_types is None:  # e.g. Mistral: every layer slides
+        return [arch.sliding_window] * arch.num_layers
+    return [arch.sliding_window if kind == "sliding_attention" else -1 for kind in arch.layer_types]
+
+
+def check_attention_windows(model, arch: Architecture) -> None:
+    """A fused graph's per-layer attention windows equal the config's (GroupQueryAttention's
+    local_window_size); a graph of standard ops computes its masks from the traced model."""
+    from onnx import helper
+
+    windows = [
+        next((helper.get_attribute_value(a) for a in node.attribute if a.name == "local_window_size"), -1)
+        for node in model.graph.node
+        if node.op_type == "GroupQueryAttention"
+    ]
+    if windows and windows != expected_windows(arch):
+        raise ExportRefused(
+            f"its attention windows per layer are {windows}, the model's config says {expected_windows(arch)}"
+        )
+
+
+def parity(graph_dir: Path, hf_dir: Path, arch: Architecture, graph) -> dict:
+    """Prefill then cached steps through onnxruntime against one PyTorch pass over the same tokens."""
+    from ortforge import Decoder, create_session
+    from tasks.torch_decoder import TorchDecoder
+
+    window = arch.sliding_window or 0
+    prefill = PARITY_TOKENS if window >= LONGEST_PARITY_PREFILL else max(PARITY_TOKENS, window + 8)
+    prefill = min(prefill, arch.context_length - PARITY_STEPS)
+    ids = np.random.default_rng(0).integers(0, arch.vocab_size, prefill + PARITY_STEPS, dtype=np.int64)
+    layout = names.KV_SHARED if any(n.op_type == "GroupQueryAttention" for n in graph.graph.node) else "chained"
+    decoder = Decoder(create_session(graph_dir), head_dim=arch.head_dim, layout=layout)
+    logits, cache = decoder.forward(ids[:prefill], decoder.empty_cache())
+    stepped = [logits]
+    for token in ids[prefill:]:
+        logits, cache = decoder.forward([int(token)], cache)
+        stepped.append(logits)
+    torch_decoder = TorchDecoder(hf_dir, attention="eager")
+    reference, _ = torch_decoder.forward(ids, torch_decoder.empty_cache())
+    gap = float(np.abs(np.concatenate(stepped) - reference).max() / np.abs(reference).max())
+    return {"tokens": int(len(ids)), "cached_steps": PARITY_STEPS, "max_relative_logit_diff": gap}
+
+
+def attempt(exporter: str, cfg: ExportConfig, hf_dir: Path, out: Path, arch: Architecture, trust_code: bool) -> dict:
+    """Export into out and check it; ExportRefused when the graph cannot be trusted."""
+    if exporter == "genai":
+        export_genai(hf_dir, out)
+    else:
+        check_optimum_supports(arch)
+        export_optimum(cfg, hf_dir, out, trust_code)
+    graph = onnx_io.load(out, with_weights=False)
+    check_kv_names(graph, arch.num_layers)
+    check_attention_windows(graph, arch)
+    try:
+        figures = parity(out, hf_dir, arch, graph)
+    except Exception as error:  # onnxruntime refusing the graph (GroupQueryAttention wants head sizes of 16k)
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ExportRefused(f"onnxruntime cannot run its graph ({first_line})") from None
+    if not figures["max_relative_logit_diff"] <= PARITY_TOLERANCE:  # NaN fails too
+        raise ExportRefused(
+            f"its logits differ from PyTorch's by {figures['max_relative_logit_diff']:.2g} of their range over "
+            f"{figures['tokens']} tokens (tolerance {PARITY_TOLERANCE:g})"
+        )
+    return figures
+
+
+def export_first_faithful(
+    cfg: ExportConfig, choice: str, hf_dir: Path, tmp: Path, arch: Architecture, trust_code: bool
+) -> dict:
+    refusals = {}
+    for exporter in candidates(choice):
+        out = tmp / exporter
+        out.mkdir()
+        log.info("exporting %s (%s) with %s", hf_dir, arch.architecture, exporter)
+        try:
+            figures = attempt(exporter, cfg, hf_dir, out, arch, trust_code)
+        except ExportRefused as refusal:
+            log.warning("%s: %s", exporter, refusal)
+            refusals[exporter] = str(refusal)
+            shutil.rmtree(out)
+            continue
+        return {"exporter": exporter, "parity": figures, "refused": refusals}
+    tried = "; ".join(f"{name}: {why}" for name, why in refusals.items())
+    fix = "set models.<name>.exporter: optimum" if choice == "genai" else "use a supported causal LM"
+    raise StageError(f"no exporter produced a faithful graph of {arch.architecture} ({tried}); {fix}")
+
+
+def run(cfg: ExportConfig, exporter: str, hf_dir: Path, out_dir: Path, trust_code: bool = False) -> ExportResult:
+    """exporter: auto, genai or optimum (models.<name>.exporter); trust_code: the model's opt-in to
+    its repository's own Python (models.<name>.trust_remote_code)."""
+    arch = architecture.read(hf_dir, trust_code)
     with atomic_output_dir(out_dir) as tmp:
-        log.info("exporting %s (%s) with %s", hf_dir, config["model_type"], cfg.exporter)
-        if cfg.exporter == "genai":
-            export_genai(hf_dir, tmp)
-        else:
-            export_optimum(cfg, hf_dir, tmp)
-        check_kv_names(onnx_io.load(tmp, with_weights=False), config["num_hidden_layers"])
+        record = export_first_faithful(cfg, exporter, hf_dir, tmp, arch, trust_code)
+        graph_dir = tmp / record["exporter"]
+        graph = onnx_io.load(graph_dir)
+        record["shared_weights"] = shared_weights.share_transposed_copies(graph)
+        onnx_io.save(graph, tmp, external_data=True)  # weights read straight into place at load
+        shutil.rmtree(graph_dir)
+        atomic_write_json(tmp / RECORD_FILE, record)
     size = folder_bytes(out_dir)
-    log.info("wrote %s (%.1f MB)", out_dir, size / 1e6)
-    return ExportResult(out_dir, config["num_hidden_layers"], megabytes(size))
+    log.info("wrote %s with %s (%.1f MB)", out_dir, record["exporter"], size / 1e6)
+    return ExportResult(out_dir, record["exporter"], arch.num_layers, megabytes(size))
 
 
 def main(argv: list[str] | None = None) -> int:
     flags = {"hf": paths.hf_dir, "out": paths.export_dir}
-    return stage_cli("export", __doc__, flags, lambda a: run(a.params.export, a.paths["hf"], a.paths["out"]), argv)
+
+    def body(a):
+        spec = a.params.model(a.model)
+        run(a.params.export, spec.exporter, a.paths["hf"], a.paths["out"], spec.trust_remote_code)
+
+    return stage_cli("export", __doc__, flags, body, argv)
 
 
 if __name__ == "__main__":

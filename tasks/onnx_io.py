@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from ortforge.names import MODEL_FILE
+from ortforge.names import LOGITS, MODEL_FILE
 from tasks.errors import StageError
 
 # protobuf cannot serialize 2 GiB; leave room for the graph itself.
@@ -52,3 +52,22 @@ def load(folder: Path, with_weights: bool = True):
 def op_counts(model) -> dict[str, int]:
     """How many nodes of each op type the graph holds (sorted by op name, for stable JSON)."""
     return dict(sorted(Counter(node.op_type for node in model.graph.node).items()))
+
+
+# What may stand between the output layer's matmul and the logits: a bias, a scale, a cast, and
+# final-logit softcapping (Gemma 2: 30 * tanh(x / 30)).
+TOWARD_LOGITS = frozenset({"Add", "Mul", "Div", "Tanh", "Cast", "Reshape", "Identity"})
+OUTPUT_MATMULS = frozenset({"MatMul", "MatMulNBits", "Gemm", "MatMulInteger", "DynamicQuantizeMatMul"})
+
+
+def output_matmul(model):
+    """The matmul whose product becomes the logits (through TOWARD_LOGITS ops only), or None."""
+    producers = {out: node for node in model.graph.node for out in node.output}
+    frontier = [LOGITS]
+    for _ in range(8):
+        nodes = [producers[name] for name in frontier if name in producers]
+        matmul = next((node for node in nodes if node.op_type in OUTPUT_MATMULS), None)
+        if matmul is not None:
+            return matmul
+        frontier = [name for node in nodes if node.op_type in TOWARD_LOGITS for name in node.input]
+    return None

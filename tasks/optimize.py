@@ -6,14 +6,14 @@ reports/<model>/optimize.json (op counts before and after, fused-operator counts
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ortforge.names import MODEL_CONFIG_FILE, MODEL_FILE
-from tasks import onnx_io, paths
+from ortforge.names import MODEL_FILE
+from tasks import architecture, onnx_io, paths, rotary
+from tasks.architecture import Architecture
 from tasks.files import atomic_output_dir, atomic_write_json, folder_bytes, megabytes
 from tasks.params import OptimizeConfig
 from tasks.stage import StageError, stage_cli
@@ -28,12 +28,13 @@ class OptimizeResult:
     ops_after: dict[str, int]
     fused: dict[str, int]
     size_mb: float
+    rotary_computed: list[dict]  # rotary tables the graph now computes at load (tasks/rotary.py)
 
 
 def run(cfg: OptimizeConfig, onnx_dir: Path, hf_dir: Path, out_dir: Path) -> OptimizeResult:
     if not (onnx_dir / MODEL_FILE).is_file():
         raise StageError(f"{onnx_dir} has no {MODEL_FILE}; run the export stage first (dvc repro export@<model>)")
-    config = json.loads((hf_dir / MODEL_CONFIG_FILE).read_text(encoding="utf-8"))
+    arch = architecture.read(hf_dir)
     exported = onnx_io.load(onnx_dir)
     ops_before = onnx_io.op_counts(exported)
     started = time.perf_counter()
@@ -41,16 +42,17 @@ def run(cfg: OptimizeConfig, onnx_dir: Path, hf_dir: Path, out_dir: Path) -> Opt
         log.info("keeping %s as exported (model_type none)", onnx_dir)
         graph, fused = exported, {}
     else:
-        graph, fused = fuse(cfg, onnx_dir, config)
-    trim_rotary_caches(graph, config["max_position_embeddings"])
+        graph, fused = fuse(cfg, onnx_dir, arch)
+    trim_rotary_caches(graph, arch.context_length)
+    computed = rotary.compute_at_load(graph, arch.rope_thetas)
     with atomic_output_dir(out_dir) as tmp:
-        onnx_io.save(graph, tmp)
+        onnx_io.save(graph, tmp, external_data=True)
     ops_after = onnx_io.op_counts(graph)
     log.info("fused %s in %.0f s; wrote %s", fused or "nothing", time.perf_counter() - started, out_dir)
-    return OptimizeResult(out_dir, ops_before, ops_after, fused, megabytes(folder_bytes(out_dir)))
+    return OptimizeResult(out_dir, ops_before, ops_after, fused, megabytes(folder_bytes(out_dir)), computed)
 
 
-def fuse(cfg: OptimizeConfig, onnx_dir: Path, config: dict):
+def fuse(cfg: OptimizeConfig, onnx_dir: Path, arch: Architecture):
     """onnxruntime's transformer optimizer; returns the graph and the fused-operator counts."""
     from onnxruntime.transformers.optimizer import optimize_model
 
@@ -58,8 +60,8 @@ def fuse(cfg: OptimizeConfig, onnx_dir: Path, config: dict):
     optimized = optimize_model(
         str(onnx_dir / MODEL_FILE),
         model_type=cfg.model_type,
-        num_heads=config["num_attention_heads"],
-        hidden_size=config["hidden_size"],
+        num_heads=arch.num_heads,
+        hidden_size=arch.hidden_size,
         opt_level=cfg.opt_level,
     )
     optimized.topological_sort()
@@ -86,6 +88,7 @@ def summary(result: OptimizeResult) -> dict:
         "nodes_before": sum(result.ops_before.values()),
         "nodes_after": sum(result.ops_after.values()),
         "fused": result.fused,
+        "rotary_computed": result.rotary_computed,
         "ops_before": result.ops_before,
         "ops_after": result.ops_after,
         "size_mb": result.size_mb,

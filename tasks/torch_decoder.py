@@ -9,14 +9,19 @@ import numpy as np
 
 
 class TorchDecoder:
-    def __init__(self, hf_dir: Path, threads: int = 0):
+    """attention: "eager" is the family's own definition (the reference: SDPA drops Gemma 2's
+    softcapping); None keeps transformers' default, the fast path a PyTorch user gets (the bench
+    baseline)."""
+
+    def __init__(self, hf_dir: Path, threads: int = 0, attention: str | None = None):
         import torch
         from transformers import AutoModelForCausalLM
 
         if threads:
             torch.set_num_threads(threads)
         self.torch = torch
-        self.model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+        options = {"attn_implementation": attention} if attention else {}
+        self.model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, **options).eval()
         self.vocab_size = self.model.config.vocab_size
 
     def empty_cache(self):

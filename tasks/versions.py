@@ -18,10 +18,10 @@ PINS_FILE = Path("versions.yaml")
 
 STAGE_TOOLS: dict[str, tuple[str, ...]] = {
     "download": ("torch", "transformers", "gguf", "safetensors", "tokenizers", "huggingface-hub"),
-    "export": ("torch", "transformers", "optimum", "optimum-onnx", "onnx"),
-    "optimize": ("onnxruntime", "onnx"),
+    "export": ("torch", "transformers", "optimum", "optimum-onnx", "onnx", "onnxruntime", "onnxruntime-genai"),
+    "optimize": ("onnxruntime", "onnx", "transformers"),
     "reference": ("torch", "transformers", "tokenizers", "numpy"),
-    "quantize": ("onnxruntime", "onnx", "onnx-ir", "numpy", "torch", "tokenizers"),
+    "quantize": ("onnxruntime", "onnx", "onnx-ir", "numpy", "torch", "tokenizers", "transformers"),
     "validate": ("onnxruntime", "tokenizers", "numpy"),
     "bench": ("onnxruntime", "torch", "transformers", "tokenizers", "numpy"),
     "report": ("matplotlib", "markdown"),

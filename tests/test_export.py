@@ -1,17 +1,20 @@
-"""export: a KV-cache graph with the standard names from either exporter; unsupported input stops
-before anything heavy loads."""
+"""export: a KV-cache graph with the standard names from either exporter, kept only when it matches
+PyTorch; `auto` falls back from genai's builder to optimum; tied weights are stored once."""
 
 from __future__ import annotations
 
 import json
 import shutil
 
+import numpy as np
 import pytest
 
 from ortforge import names
 from tasks import export, onnx_io
 from tasks.params import ExportConfig
 from tasks.stage import StageError
+from tests import families
+from tests.conftest import EVAL_TEXT
 
 
 def test_optimum_graph_has_standard_kv_names(built_optimum):
@@ -35,6 +38,58 @@ def test_genai_graph_has_standard_kv_names_and_fused_attention(built):
     assert sum(ops.values()) < 100  # a handful of nodes per layer, no shape arithmetic
 
 
+def test_run_records_the_exporter_and_its_parity_with_pytorch(built):
+    record = json.loads((built["onnx"] / export.RECORD_FILE).read_text())
+    assert record["exporter"] == "genai" and record["refused"] == {}
+    assert record["parity"]["max_relative_logit_diff"] < 1e-5
+    assert record["parity"]["cached_steps"] == export.PARITY_STEPS
+
+
+@pytest.fixture(scope="module")
+def tiny_family(tmp_path_factory):
+    def build(family: str):
+        return families.build(family, tmp_path_factory.mktemp(family) / "hf", EVAL_TEXT)
+
+    return build
+
+
+def test_auto_falls_back_to_optimum_when_genai_gets_attention_windows_wrong(tiny_family, tmp_path):
+    # genai's builder hard-codes Gemma 3's layer pattern; this config's second layer attends fully.
+    result = export.run(ExportConfig(), "auto", tiny_family("gemma3"), tmp_path / "onnx")
+    record = json.loads((tmp_path / "onnx" / export.RECORD_FILE).read_text())
+    assert result.exporter == record["exporter"] == "optimum"
+    assert "attention windows per layer are [8, 8], the model's config says [8, -1]" in record["refused"]["genai"]
+    assert record["parity"]["tokens"] > families.SLIDING_WINDOW  # the check saw the window slide
+
+
+def test_tied_matrix_stored_once_when_the_exporter_wrote_it_twice(tiny_family, tmp_path):
+    from safetensors.numpy import load_file
+
+    hf = tiny_family("gemma3")
+    export.run(ExportConfig(), "optimum", hf, tmp_path / "onnx")
+    record = json.loads((tmp_path / "onnx" / export.RECORD_FILE).read_text())
+    assert [entry["kept"] for entry in record["shared_weights"]] == ["model.embed_tokens.weight"]
+    graph = onnx_io.load(tmp_path / "onnx")
+    stored = onnx_io.initializer_bytes(graph)
+    weights = sum(array.nbytes for array in load_file(hf / "model.safetensors").values())
+    assert stored <= weights * 1.01  # no second vocabulary matrix
+
+
+def test_explicit_genai_refusal_names_the_fix(tiny_family, tmp_path):
+    with pytest.raises(StageError, match=r"no exporter produced .*builder does not take it.*exporter: optimum"):
+        export.run(ExportConfig(), "genai", tiny_family("gpt2"), tmp_path / "onnx")
+    assert not (tmp_path / "onnx").exists()
+
+
+def test_graph_that_differs_from_pytorch_is_refused(built, tmp_path, monkeypatch):
+    monkeypatch.setattr(export, "PARITY_TOLERANCE", 1e-12)  # float32 rounding alone now fails it
+    with pytest.raises(StageError) as error:
+        export.run(ExportConfig(), "auto", built["hf"], tmp_path / "onnx")
+    message = str(error.value)
+    assert "genai: its logits differ from PyTorch's" in message and "optimum: its logits differ" in message
+    assert not (tmp_path / "onnx").exists()
+
+
 def with_config(built, tmp_path, **changes):
     hf = tmp_path / "hf"
     shutil.copytree(built["hf"], hf)
@@ -43,20 +98,25 @@ def with_config(built, tmp_path, **changes):
     return hf
 
 
-@pytest.mark.parametrize("exporter", ["optimum", "genai"])
-def test_run_refuses_unsupported_architecture(built, tmp_path, exporter):
+def test_run_refuses_unknown_architecture_before_loading_it(built, tmp_path):
     hf = with_config(built, tmp_path, model_type="mystery-net")
-    with pytest.raises(StageError, match="model_type `mystery-net`"):
-        export.run(ExportConfig(exporter=exporter), hf, tmp_path / "onnx")
+    with pytest.raises(StageError, match=r"config.json: transformers [\d.]+ cannot read it"):
+        export.run(ExportConfig(), "auto", hf, tmp_path / "onnx")
     assert not (tmp_path / "onnx").exists()
-
-
-def test_genai_refuses_architecture_its_builder_lacks(built, tmp_path):
-    hf = with_config(built, tmp_path, architectures=["BertForMaskedLM"])
-    with pytest.raises(StageError, match=r"\(BertForMaskedLM\) .* or set export.exporter: optimum"):
-        export.run(ExportConfig(exporter="genai"), hf, tmp_path / "onnx")
 
 
 def test_run_refuses_folder_without_config(tmp_path):
     with pytest.raises(StageError, match="has no config.json; run the download stage first"):
-        export.run(ExportConfig(), tmp_path, tmp_path / "onnx")
+        export.run(ExportConfig(), "auto", tmp_path, tmp_path / "onnx")
+
+
+def test_expected_windows_follow_the_config():
+    arch = families.config_for("gemma3")
+    from tasks.architecture import Architecture
+
+    dims = Architecture(
+        "gemma3_text", "Gemma3ForCausalLM", 2, 64, 4, 2, 32, 1024, 384, True, 8, tuple(arch.layer_types)
+    )
+    assert export.expected_windows(dims) == [8, -1]
+    assert export.expected_windows(dims.__class__(**{**dims.__dict__, "sliding_window": None})) == [-1, -1]
+    assert np.all(np.array(export.expected_windows(dims.__class__(**{**dims.__dict__, "layer_types": None}))) == 8)

@@ -1,0 +1,111 @@
+"""Tiny random models of each architecture family ortforge builds, from the families' real config
+classes (each with its own spelling of the dimensions: GPT-2's n_layer and n_positions, Gemma's
+head_dim apart from hidden / heads, Gemma 3's per-layer attention kinds), in seconds and offline.
+
+Sliding windows are made short (8 tokens) so that the checks that run longer sequences see them.
+Gemma 2 and Gemma 3 get a layer pattern onnxruntime-genai's builder does not follow: `exporter:
+auto` must notice and fall back to optimum.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.tiny_models import SPECIAL_TOKENS, VOCAB_SIZE, train_tokenizer
+
+SLIDING_WINDOW = 8
+COMMON = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
+)
+# family: (config class, model class, config values beyond COMMON)
+FAMILIES: dict[str, tuple[str, str, dict]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": True}),
+    "mistral": (
+        "MistralConfig",
+        "MistralForCausalLM",
+        {"sliding_window": SLIDING_WINDOW, "tie_word_embeddings": False},
+    ),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16, "tie_word_embeddings": True}),
+    "phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        {"tie_word_embeddings": False, "pad_token_id": 0, "original_max_position_embeddings": 1024},
+    ),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {"head_dim": 16}),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        {
+            "head_dim": 16,
+            "sliding_window": SLIDING_WINDOW,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "attn_logit_softcapping": 50.0,
+            "final_logit_softcapping": 30.0,
+        },
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {"head_dim": 32, "sliding_window": SLIDING_WINDOW, "layer_types": ["sliding_attention", "full_attention"]},
+    ),
+    "gpt2": (
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 1024, "n_inner": 128},
+    ),
+}
+GPT2_NAMES = {
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "max_position_embeddings",
+    "pad_token_id",
+}
+
+
+def config_for(family: str):
+    import transformers
+
+    config_class, _, extra = FAMILIES[family]
+    values = dict(COMMON)
+    if family == "gpt2":  # GPT-2 spells its dimensions itself and has no grouped KV heads
+        values = {key: value for key, value in values.items() if key not in GPT2_NAMES}
+    return getattr(transformers, config_class)(**(values | extra))
+
+
+def build(family: str, folder: Path, text_path: Path, seed: int = 0) -> Path:
+    """Save a tiny random model of the family with a byte-level BPE tokenizer as an HF folder."""
+    import torch
+    import transformers
+    from transformers import PreTrainedTokenizerFast
+
+    torch.manual_seed(seed)
+    model = getattr(transformers, FAMILIES[family][1])(config_for(family)).eval()
+    with torch.no_grad():  # larger-than-default weights give logits with real spread
+        for name, parameter in model.named_parameters():
+            if parameter.dim() == 2:
+                parameter.normal_(0.0, 0.08)
+            elif name.endswith(".bias"):
+                parameter.normal_(0.0, 0.05)
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=train_tokenizer(text_path),
+        bos_token=SPECIAL_TOKENS[1],
+        eos_token=SPECIAL_TOKENS[2],
+        unk_token=SPECIAL_TOKENS[0],
+        pad_token=SPECIAL_TOKENS[2],
+    )
+    tokenizer.save_pretrained(folder)
+    return folder
