@@ -7,17 +7,17 @@ writes artifacts/<model>/variants/<variant>: model.onnx, tokenizer, configs and 
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from ortforge import names
 from ortforge.manifest import write_manifest
-from tasks import calibration, onnx_io, paths, smoothing, weight_only
+from tasks import architecture, calibration, coverage, mixed_precision, onnx_io, paths, smoothing, weight_only
+from tasks.architecture import Architecture
 from tasks.files import atomic_output_dir, folder_bytes, megabytes, read_json
 from tasks.params import CalibrationConfig, QuantizeConfig
 from tasks.stage import StageError, stage_cli
@@ -35,15 +35,24 @@ class QuantizeResult:
     size_mb: float
 
 
-def quantize_graph(cfg: QuantizeConfig, model_dir: Path, calibration: Calibration | None = None):
-    """The ModelProto of the variant that cfg describes."""
+@dataclass(frozen=True)
+class Quantized:
+    graph: object  # the variant's ModelProto
+    notes: list[str] = field(default_factory=list)  # where a layer could not take the asked setting
+    kept_float: dict[str, str] = field(default_factory=dict)  # node -> why its params keep it float
+    cfg: QuantizeConfig | None = None  # the settings applied, where measurement chose some of them
+    mixed_precision: dict | None = None  # the measurements behind that choice
+
+
+def quantize_graph(cfg: QuantizeConfig, model_dir: Path, calibration: Calibration | None = None) -> Quantized:
+    """The variant that cfg describes."""
     if cfg.method == "fp32":
-        return onnx_io.load(model_dir)
+        return Quantized(onnx_io.load(model_dir))
     if cfg.method == "fp16":
         from onnxruntime.transformers.float16 import convert_float_to_float16
 
         # Keeping float32 inputs and outputs lets the same runtime drive every variant.
-        return convert_float_to_float16(onnx_io.load(model_dir), keep_io_types=True)
+        return Quantized(convert_float_to_float16(onnx_io.load(model_dir), keep_io_types=True))
     if cfg.method == "weight_only":
         return _weight_only(cfg, model_dir, calibration)
     return _onnxruntime_int8(cfg, model_dir, calibration)
@@ -62,11 +71,19 @@ class Calibration:
         return calibration.token_chunks(self.cfg, self.tokenizer_json)
 
 
-def _weight_only(cfg: QuantizeConfig, model_dir: Path, calib: Calibration | None):
+def _weight_only(cfg: QuantizeConfig, model_dir: Path, calib: Calibration | None) -> Quantized:
     model = onnx_io.load(model_dir)
+    linears = weight_only.linear_layers(model)
+    weight_only.layer_blocks(linears, cfg.block_size)  # refuses a bad K before calibrating
     inputs = weight_only.calibrated_inputs(model, cfg)
     hessians = calibration.input_hessians(model, inputs, calib.chunks(), calib.head_dim) if inputs else {}
-    return weight_only.quantize_model(model, cfg, hessians)
+    choice = None
+    if cfg.size_budget_mb is not None:
+        layers = 1 + max((linear.layer for linear in linears if linear.layer is not None), default=0)
+        measure = mixed_precision.Measure(model, model_dir, calib.chunks(), calib.head_dim, hessians)
+        cfg, choice = mixed_precision.choose(measure, cfg, layers)
+    graph, notes = weight_only.quantize_model(model, cfg, hessians)
+    return Quantized(graph, notes, cfg=cfg, mixed_precision=choice)
 
 
 def _onnxruntime_int8(cfg: QuantizeConfig, model_dir: Path, calib: Calibration | None):
@@ -79,13 +96,19 @@ def _onnxruntime_int8(cfg: QuantizeConfig, model_dir: Path, calib: Calibration |
     # The transformer optimizer's graph lacks some type info the quantizers need.
     options = {"DefaultTensorType": onnx.TensorProto.FLOAT}
     graph = onnx_io.load(model_dir, with_weights=False)
-    keep = [n.name for n in graph.graph.node if n.op_type == "MatMul" and any(p in n.name for p in cfg.keep_float)]
+    kept = {
+        n.name: f"matches keep_float `{pattern}`"
+        for n in graph.graph.node
+        for pattern in cfg.keep_float
+        if n.op_type == "MatMul" and pattern in n.name
+    }
     with tempfile.TemporaryDirectory() as scratch:
         out = Path(scratch) / names.MODEL_FILE
         source = model_dir / names.MODEL_FILE
         if cfg.smooth_alpha is not None or cfg.outlier_ratio is not None:
             source, outliers = _prepared_for_int8(cfg, model_dir, calib, Path(scratch) / "prepared")
-            keep += outliers
+            kept |= outliers
+        keep = sorted(kept)
         if cfg.method == "int8_dynamic":
             quantize_dynamic(
                 source,
@@ -116,7 +139,7 @@ def _onnxruntime_int8(cfg: QuantizeConfig, model_dir: Path, calib: Calibration |
                 extra_options=options,
                 use_external_data_format=True,
             )
-        return onnx.load(str(out))
+        return Quantized(onnx.load(str(out)), kept_float=kept)
 
 
 def _prepared_for_int8(cfg: QuantizeConfig, model_dir: Path, calib: Calibration, folder: Path):
@@ -126,10 +149,14 @@ def _prepared_for_int8(cfg: QuantizeConfig, model_dir: Path, calib: Calibration,
     weights = {t.name for t in model.graph.initializer}
     linear = {n.name: n.input[0] for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in weights}
     ranges = calibration.activation_ranges(model, sorted(set(linear.values())), calib.chunks(), calib.head_dim)
-    outliers = []
+    outliers = {}
     if cfg.outlier_ratio is not None:
-        outliers = sorted(node for node, x in linear.items() if ranges[x].outlier_ratio > cfg.outlier_ratio)
-        log.info("kept float for outlier tokens (ratio > %g): %s", cfg.outlier_ratio, outliers)
+        outliers = {
+            node: f"an input token {ranges[x].outlier_ratio:.0f}x the median token's peak (above {cfg.outlier_ratio:g})"
+            for node, x in linear.items()
+            if ranges[x].outlier_ratio > cfg.outlier_ratio
+        }
+        log.info("kept float for outlier tokens (ratio > %g): %s", cfg.outlier_ratio, sorted(outliers))
     if cfg.smooth_alpha is not None:
         maxima = {x: r.channel_max for x, r in ranges.items()}
         if smoothing.smooth(model, maxima, cfg.smooth_alpha) == 0:
@@ -148,7 +175,7 @@ def add_logits_to_keep(graph) -> None:
     from onnx import TensorProto, helper
 
     inputs = {i.name for i in graph.graph.input}
-    head = next((n for n in graph.graph.node if n.output[0] == names.LOGITS), None)
+    head = onnx_io.output_matmul(graph)
     if head is None or names.LOGITS_TO_KEEP in inputs:
         return
     hidden, stem = head.input[0], "/logits_to_keep"
@@ -172,19 +199,19 @@ def add_logits_to_keep(graph) -> None:
     OnnxModel(graph).topological_sort()
 
 
-def head_dim_of(config: dict) -> int:
-    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-
-
-def tag_for_runtime(graph, config: dict) -> None:
+def tag_for_runtime(graph, arch: Architecture) -> None:
     """Record in the model's metadata what the runtime needs and the graph does not say: the head
-    size (genai graphs leave it symbolic) and whether the KV cache is updated in place."""
+    size (genai graphs leave it symbolic), whether the KV cache is updated in place, and how many
+    positions the model takes (past them, rotary tables run out or the model was never trained)."""
     import onnx
 
     shared = any(node.op_type == "GroupQueryAttention" for node in graph.graph.node)
     props = {p.key: p.value for p in graph.metadata_props}
-    layout = names.KV_SHARED if shared else "chained"
-    props |= {names.KV_LAYOUT_KEY: layout, names.HEAD_DIM_KEY: str(head_dim_of(config))}
+    props |= {
+        names.KV_LAYOUT_KEY: names.KV_SHARED if shared else "chained",
+        names.HEAD_DIM_KEY: str(arch.head_dim),
+        names.CONTEXT_LENGTH_KEY: str(arch.context_length),
+    }
     onnx.helper.set_model_props(graph, props)
 
 
@@ -199,14 +226,18 @@ def run(
     """Write the variant; record (model, variant, tool versions) goes into its manifest."""
     if not (model_dir / names.MODEL_FILE).is_file():
         raise StageError(f"{model_dir} has no {names.MODEL_FILE}; run the optimize stage first")
-    config = json.loads((hf_dir / names.MODEL_CONFIG_FILE).read_text(encoding="utf-8"))
-    calib = Calibration(calibration_cfg or CalibrationConfig(), hf_dir / "tokenizer.json", head_dim_of(config))
+    arch = architecture.read(hf_dir)
+    calib = Calibration(calibration_cfg or CalibrationConfig(), hf_dir / "tokenizer.json", arch.head_dim)
     if cfg.needs_calibration:
         calib.chunks()  # a missing or short text fails here, before the slow part
     log.info("quantizing %s with %s", model_dir, cfg.model_dump(exclude_defaults=True))
-    graph = quantize_graph(cfg, model_dir, calib)
+    quantized = quantize_graph(cfg, model_dir, calib)
+    graph = quantized.graph
     add_logits_to_keep(graph)
-    tag_for_runtime(graph, config)
+    tag_for_runtime(graph, arch)
+    stored = coverage.weights(graph)
+    for note in quantized.notes:
+        log.warning("%s", note)
     with atomic_output_dir(out_dir) as tmp:
         onnx_io.save(graph, tmp, external_data=True)  # a published variant loads with a lower peak
         for name in COPIED_FROM_HF:
@@ -214,9 +245,20 @@ def run(
                 shutil.copyfile(hf_dir / name, tmp / name)
         source = read_json(hf_dir / paths.SOURCE_FILE)
         source.pop("files", None)
-        write_manifest(tmp, {**record, "source": source, "params": cfg.model_dump()})
+        write_manifest(
+            tmp,
+            {
+                **record,
+                "source": source,
+                "params": (quantized.cfg or cfg).model_dump(),
+                "coverage": coverage.summary(stored),
+                **({"mixed_precision": quantized.mixed_precision} if quantized.mixed_precision else {}),
+                "kept_float": quantized.kept_float,
+                "notes": quantized.notes,
+            },
+        )
     size = folder_bytes(out_dir, names.MODEL_FILE + "*")
-    log.info("wrote %s (model %.1f MB)", out_dir, size / 1e6)
+    log.info("wrote %s (model %.1f MB; %s)", out_dir, size / 1e6, coverage.describe(coverage.summary(stored)))
     return QuantizeResult(out_dir, cfg.method, megabytes(size))
 
 

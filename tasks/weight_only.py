@@ -21,16 +21,18 @@ from calibration text). Scales are stored as float16 and cast to float32 in the 
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass
 
 import numpy as np
 
+from tasks import onnx_io
+from tasks.coverage import layer_of
+from tasks.errors import StageError
 from tasks.params import QuantizeConfig
 
 log = logging.getLogger(__name__)
 
-LAYER_INDEX = re.compile(r"/layers\.(\d+)/")
+MIN_BLOCK = 16  # MatMulNBits' smallest block
 
 
 @dataclass(frozen=True)
@@ -147,23 +149,59 @@ def gptq(weights: np.ndarray, hessian: np.ndarray, bits: int, block: int, zero_p
 
 @dataclass(frozen=True)
 class Linear:
-    node: object  # the MatMul NodeProto
+    node: object  # the MatMul or Gemm NodeProto
     weight_name: str
     layer: int | None
-    width: int  # N, the weight's output columns
+    k: int  # input features
+    width: int  # N, output columns
+    transposed: bool  # the weight is stored [N, K] (Gemm with transB, as GPT-2's Conv1D exports)
+    bias: str | None  # Gemm's C, added by MatMulNBits itself
 
 
-def linear_layers(model, block: int) -> list[Linear]:
-    """MatMuls with a constant 2-D weight whose K splits into blocks, except the output layer."""
+def _gemm_as_linear(node) -> tuple[bool, bool]:
+    """(can be a MatMulNBits, transB) for a Gemm: only y = x.B (+ C) with alpha = beta = 1."""
+    from onnx import helper
+
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    plain = attrs.get("alpha", 1.0) == 1.0 and attrs.get("beta", 1.0) == 1.0 and not attrs.get("transA", 0)
+    return plain, bool(attrs.get("transB", 0))
+
+
+def linear_layers(model) -> list[Linear]:
+    """MatMuls and Gemms with a constant 2-D weight, except the output layer."""
     initializers = {t.name: t for t in model.graph.initializer}
+    head = onnx_io.output_matmul(model)
     found = []
     for node in model.graph.node:
-        weight = initializers.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) > 1 else None
-        if weight is None or len(weight.dims) != 2 or weight.dims[0] % block or node.output[0] == "logits":
+        if node.op_type not in ("MatMul", "Gemm") or len(node.input) < 2 or node is head:
             continue
-        match = LAYER_INDEX.search(node.name)
-        found.append(Linear(node, weight.name, int(match.group(1)) if match else None, weight.dims[1]))
+        weight = initializers.get(node.input[1])
+        if weight is None or len(weight.dims) != 2:
+            continue
+        plain, transposed = _gemm_as_linear(node) if node.op_type == "Gemm" else (True, False)
+        bias = node.input[2] if node.op_type == "Gemm" and len(node.input) > 2 and node.input[2] else None
+        if not plain or (bias is not None and bias not in initializers):
+            continue
+        k, n = (weight.dims[1], weight.dims[0]) if transposed else (weight.dims[0], weight.dims[1])
+        found.append(Linear(node, weight.name, layer_of(node.name), k, n, transposed, bias))
     return found
+
+
+def layer_block(k: int, block: int) -> int | None:
+    """The block a layer with K inputs uses: the asked size, or the largest smaller power of two
+    (at least 16) that divides K; None when none does."""
+    size = block
+    while size >= MIN_BLOCK and k % size:
+        size //= 2
+    return size if size >= MIN_BLOCK else None
+
+
+def weight_matrix(linear: Linear, initializers: dict) -> np.ndarray:
+    """The layer's weight as [K, N] float32."""
+    from onnx import numpy_helper
+
+    weight = numpy_helper.to_array(initializers[linear.weight_name])
+    return np.ascontiguousarray(weight.T if linear.transposed else weight).astype(np.float32)
 
 
 class GraphWriter:
@@ -189,15 +227,16 @@ class GraphWriter:
         )
         return name
 
-    def with_block_sums(self, x: str, blocks: int, block: int) -> str:
-        """[batch, seq, K] -> [batch, seq, K + K // block]: x and its sums over each block of K,
+    def with_block_sums(self, x: str, blocks: int, block: int, rank: int) -> str:
+        """[..., K] -> [..., K + K // block]: x (of the given rank) and its sums over each block of K,
         computed once per input."""
         from onnx import helper
 
         key = (x, block)
         if key not in self.block_sums:
             stem = f"{x}/block_sum{block}"
-            shape = self.constant(stem + "/shape", np.array([0, 0, blocks, block], dtype=np.int64))
+            leading = [0] * (rank - 1)  # Reshape copies a 0 dimension from x
+            shape = self.constant(stem + "/shape", np.array([*leading, blocks, block], dtype=np.int64))
             axes = self.constant(stem + "/axes", np.array([-1], dtype=np.int64))
             self.model.graph.node.extend(
                 [
@@ -271,23 +310,34 @@ def offset_rows(codes: BlockCodes) -> BlockCodes:
 
 
 def write_matmul(
-    writer: GraphWriter, x: str, output: str, stem: str, codes: BlockCodes, accuracy_level: int
+    writer: GraphWriter,
+    x: str,
+    output: str,
+    stem: str,
+    codes: BlockCodes,
+    accuracy_level: int,
+    bias: str = "",
+    rank: int = 3,
 ) -> StoredCodes:
-    """MatMulNBits for x.W into output; float zero points read x with its block sums appended."""
+    """MatMulNBits for x.W (+ bias) into output; float zero points read x (of the given rank) with
+    its block sums appended."""
     from onnx import helper
 
     k = codes.codes.shape[1]
     symmetric = bool(np.all(codes.zeros == codes.mid))
     if not symmetric and not is_integer_grid(codes):
         blocks = k // codes.block
-        x, k, codes = writer.with_block_sums(x, blocks, codes.block), k + blocks, offset_rows(codes)
+        x, k, codes = writer.with_block_sums(x, blocks, codes.block, rank), k + blocks, offset_rows(codes)
     packed = writer.constant(stem + "/q", pack(codes.codes, codes.bits, codes.block))
     scales = writer.half_constant(stem + "/scales", codes.scales)
     inputs = [x, packed, scales]
     zero_points = None
     if not symmetric:
         zero_points = writer.constant(stem + "/zero_points", pack_zero_points(codes.zeros, codes.bits))
-        inputs.append(zero_points)
+    if zero_points or bias:
+        inputs.append(zero_points or "")
+    if bias:
+        inputs += ["", bias]  # no g_idx
     n = codes.codes.shape[0]
     attrs = {"K": k, "N": n, "bits": codes.bits, "block_size": codes.block, "accuracy_level": accuracy_level}
     node = helper.make_node("MatMulNBits", inputs, [output], stem + "/MatMulNBits", domain="com.microsoft", **attrs)
@@ -318,7 +368,7 @@ def output_layer(model) -> OutputLayer | None:
     graph = model.graph
     producers = {out: node for node in graph.node for out in node.output}
     initializers = {t.name: t for t in graph.initializer}
-    logits = producers.get("logits")
+    logits = onnx_io.output_matmul(model)
     if logits is None or logits.op_type != "MatMul":
         return None
 
@@ -387,13 +437,23 @@ def quantize_codes(
     return round_to_nearest(weights, bits, block, zero_point)
 
 
+def vocabulary_block(k: int, block: int, what: str) -> tuple[int, list[str]]:
+    size = layer_block(k, block)
+    if size is None:
+        raise StageError(
+            f"the {what} has hidden size {k}, which no block of {MIN_BLOCK} or more divides; set output_bits: 32"
+        )
+    return size, [f"{what}: block {size} (hidden size {k} is not a multiple of {block})"] if size != block else []
+
+
 def quantize_output_layer(
     writer: GraphWriter, head: OutputLayer, cfg: QuantizeConfig, hessian: np.ndarray | None
-) -> None:
+) -> list[str]:
     # GatherBlockQuantized takes integer zero points only, so the shared codes use them.
     zero_point = "none" if cfg.zero_point == "none" else "integer"
-    codes = quantize_codes(cfg.output_algorithm, head.weight, cfg.output_bits, cfg.block_size, zero_point, hessian)
-    stored = write_matmul(writer, head.node.input[0], "logits", "lm_head", codes, cfg.accuracy_level)
+    block, notes = vocabulary_block(head.weight.shape[0], cfg.block_size, "output layer")
+    codes = quantize_codes(cfg.output_algorithm, head.weight, cfg.output_bits, block, zero_point, hessian)
+    stored = write_matmul(writer, head.node.input[0], head.node.output[0], "lm_head", codes, cfg.accuracy_level)
     graph = writer.model.graph
     graph.node.remove(head.node)
     if head.transpose is not None:
@@ -402,30 +462,81 @@ def quantize_output_layer(
         write_embedding(writer, head.gather, stored, codes)
         graph.node.remove(head.gather)
     graph.initializer.remove(next(t for t in graph.initializer if t.name == head.weight_initializer))
+    return notes
+
+
+def token_embedding(model):
+    """The Gather that looks token ids up in a float table of its own, or None (tied, or already quantized)."""
+    initializers = {t.name: t for t in model.graph.initializer}
+    for node in model.graph.node:
+        table = initializers.get(node.input[0]) if node.op_type == "Gather" else None
+        if table is not None and len(table.dims) == 2 and node.input[1] == "input_ids" and table.data_type == 1:
+            return node, table
+    return None
+
+
+def quantize_untied_embedding(writer: GraphWriter, cfg: QuantizeConfig) -> list[str]:
+    """An embedding table the output layer does not share, to GatherBlockQuantized codes at the
+    output layer's width (llama.cpp quantizes token_embd too): at fp32 it would be the largest
+    part of a small model's int4 artifact."""
+    from onnx import numpy_helper
+
+    found = token_embedding(writer.model)
+    if found is None:
+        return []
+    gather, table = found
+    rows = numpy_helper.to_array(table)
+    block, notes = vocabulary_block(rows.shape[1], cfg.block_size, "token embedding")
+    codes = round_to_nearest(rows.T, cfg.output_bits, block, "none" if cfg.zero_point == "none" else "integer")
+    stem = gather.name or "embedding"
+    packed = writer.constant(stem + "/q", pack(codes.codes, codes.bits, codes.block))
+    scales = writer.half_constant(stem + "/scales", codes.scales)
+    symmetric = bool(np.all(codes.zeros == codes.mid))
+    zero_points = (
+        None if symmetric else writer.constant(stem + "/zero_points", pack_zero_points(codes.zeros, codes.bits))
+    )
+    write_embedding(writer, gather, StoredCodes(packed, scales, zero_points), codes)
+    writer.model.graph.node.remove(gather)
+    writer.model.graph.initializer.remove(table)
+    return notes
 
 
 def calibrated_inputs(model, cfg: QuantizeConfig) -> list[str]:
     """The layer inputs whose statistics (H = sum x x^T) the chosen algorithms need."""
     wanted = []
     if cfg.algorithm in ("gptq", "imatrix"):
-        wanted += [linear.node.input[0] for linear in linear_layers(model, cfg.block_size)]
+        wanted += [linear.node.input[0] for linear in linear_layers(model)]
     head = output_layer(model)
     if head is not None and cfg.output_algorithm == "imatrix":
         wanted.append(head.node.input[0])
     return sorted(set(wanted))
 
 
-def sibling_groups(linears: list[Linear]) -> list[list[Linear]]:
-    """Linears grouped by the input they read, in graph order.
+def sibling_groups(linears: list[Linear], blocks: dict[str, int]) -> list[list[Linear]]:
+    """Linears grouped by the input they read (and their block size), in graph order.
 
     One MatMulNBits per group reads the input once and a Split hands each linear its columns: on
     SmolLM2 gate and up become one node (q, k and v in optimum's graph), one call instead of two,
     7% faster int4 decode in an A/B run. Codes are per column, so packing changes no value.
     """
-    groups: dict[str, list[Linear]] = {}
+    groups: dict[tuple[str, int], list[Linear]] = {}
     for linear in linears:
-        groups.setdefault(linear.node.input[0], []).append(linear)
+        groups.setdefault((linear.node.input[0], blocks[linear.node.name]), []).append(linear)
     return list(groups.values())
+
+
+def group_bias(writer: GraphWriter, group: list[Linear], stem: str) -> str:
+    """The group's biases side by side ("" when none has one)."""
+    from onnx import numpy_helper
+
+    if not any(linear.bias for linear in group):
+        return ""
+    initializers = {t.name: t for t in writer.model.graph.initializer}
+    parts = [
+        numpy_helper.to_array(initializers[linear.bias]).reshape(-1) if linear.bias else np.zeros(linear.width)
+        for linear in group
+    ]
+    return writer.constant(stem + "/bias", np.concatenate(parts).astype(np.float32))
 
 
 def write_linears(writer: GraphWriter, group: list[Linear], codes: BlockCodes, accuracy_level: int) -> None:
@@ -434,45 +545,74 @@ def write_linears(writer: GraphWriter, group: list[Linear], codes: BlockCodes, a
 
     first = group[0]
     stem = first.node.name or first.weight_name
+    rank = 2 if first.node.op_type == "Gemm" else 3  # Gemm reads a matrix; the exporters' MatMuls [batch, seq, K]
     if len(group) == 1:
-        write_matmul(writer, first.node.input[0], first.node.output[0], stem, codes, accuracy_level)
+        bias = group_bias(writer, group, stem)
+        write_matmul(writer, first.node.input[0], first.node.output[0], stem, codes, accuracy_level, bias, rank)
         return
     stem, packed = f"{stem}/packed{len(group)}", f"{first.node.output[0]}/packed{len(group)}"
-    write_matmul(writer, first.node.input[0], packed, stem, codes, accuracy_level)
+    bias = group_bias(writer, group, stem)
+    write_matmul(writer, first.node.input[0], packed, stem, codes, accuracy_level, bias, rank)
     widths = writer.constant(stem + "/widths", np.array([g.width for g in group], dtype=np.int64))
     outputs = [linear.node.output[0] for linear in group]
     writer.model.graph.node.append(helper.make_node("Split", [packed, widths], outputs, axis=-1, name=stem + "/Split"))
 
 
-def quantize_model(model, cfg: QuantizeConfig, hessians: dict[str, np.ndarray] | None = None):
+def layer_blocks(linears: list[Linear], block: int) -> tuple[dict[str, int], list[str]]:
+    """Each linear's block size, and a note for each that cannot use the asked one; StageError
+    (before any weight is quantized) when no block of 16 or more divides a layer's K."""
+    blocks, notes = {}, []
+    for linear in linears:
+        size = layer_block(linear.k, block)
+        if size is None:
+            raise StageError(
+                f"linear layer {linear.node.name} has K={linear.k} inputs, which no block of {MIN_BLOCK} or more "
+                f"divides (MatMulNBits stores whole blocks); quantize this model with method int8_dynamic or fp16"
+            )
+        if size != block:
+            notes.append(f"{linear.node.name}: block {size} (K={linear.k} is not a multiple of {block})")
+        blocks[linear.node.name] = size
+    return blocks, notes
+
+
+def quantize_model(
+    model, cfg: QuantizeConfig, hessians: dict[str, np.ndarray] | None = None, only_blocks: set[int] | None = None
+):
     """Rewrite model in place: linears to MatMulNBits (siblings packed); unless output_bits is 32,
     the output layer (and a tied embedding) to codes shared by MatMulNBits and GatherBlockQuantized.
-    Returns model.
+    Returns model and notes on layers that could not use the asked block size.
 
-    hessians maps each name from calibrated_inputs() to its H."""
-    from onnx import numpy_helper
+    hessians maps each name from calibrated_inputs() to its H; only_blocks (None: all) limits the
+    linears quantized to those decoder blocks, leaving the others float (mixed_precision measures
+    one block at a time)."""
     from onnxruntime.transformers.onnx_model import OnnxModel
 
     hessians = hessians or {}
     writer = GraphWriter(model)
-    linears = linear_layers(model, cfg.block_size)
+    linears = linear_layers(model)
+    if only_blocks is not None:
+        linears = [linear for linear in linears if linear.layer in only_blocks]
+    blocks, notes = layer_blocks(linears, cfg.block_size)
     num_layers = 1 + max((lin.layer for lin in linears if lin.layer is not None), default=0)
     initializers = {t.name: t for t in model.graph.initializer}
     done = 0
-    for group in sibling_groups(linears):
-        weights = np.concatenate([numpy_helper.to_array(initializers[lin.weight_name]) for lin in group], axis=1)
-        bits = layer_bits(cfg, group[0].layer, num_layers)
+    for group in sibling_groups(linears, blocks):
+        weights = np.concatenate([weight_matrix(lin, initializers) for lin in group], axis=1)
+        bits, block = layer_bits(cfg, group[0].layer, num_layers), blocks[group[0].node.name]
         hessian = hessians.get(group[0].node.input[0])
-        codes = quantize_codes(cfg.algorithm, weights, bits, cfg.block_size, cfg.zero_point, hessian)
+        codes = quantize_codes(cfg.algorithm, weights, bits, block, cfg.zero_point, hessian)
         write_linears(writer, group, codes, cfg.accuracy_level)
         for linear in group:
             model.graph.node.remove(linear.node)
             model.graph.initializer.remove(initializers[linear.weight_name])
+            if linear.bias:
+                model.graph.initializer.remove(initializers[linear.bias])
         done, before = done + len(group), done
         if done // 30 > before // 30 or done == len(linears):
             log.info("quantized %d/%d linear layers", done, len(linears))
     head = output_layer(model)
     if head is not None and cfg.output_bits != 32:
-        quantize_output_layer(writer, head, cfg, hessians.get(head.node.input[0]))
+        notes += quantize_output_layer(writer, head, cfg, hessians.get(head.node.input[0]))
+        notes += quantize_untied_embedding(writer, cfg)
     OnnxModel(model).topological_sort()
-    return model
+    return model, notes

@@ -3,13 +3,11 @@ measured per tensor; and the int8 recipe that uses both builds a running variant
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 
 from ortforge import Decoder, TextGenerator, create_session, names
-from tasks import calibration, onnx_io, quantize, smoothing
+from tasks import architecture, calibration, onnx_io, quantize, smoothing
 from tasks.evaluation import full_pass_logits
 from tasks.params import CalibrationConfig, QuantizeConfig
 from tests.conftest import REPO
@@ -19,8 +17,7 @@ CALIBRATION = CalibrationConfig(text=REPO / "data/calibration/python-docs.txt", 
 
 def logits_of(folder, ids, hf):
     """Full-pass logits of an unquantized graph, which carries no runtime metadata yet."""
-    config = json.loads((hf / "config.json").read_text(encoding="utf-8"))
-    decoder = Decoder(create_session(folder), head_dim=quantize.head_dim_of(config), layout=names.KV_SHARED)
+    decoder = Decoder(create_session(folder), head_dim=architecture.read(hf).head_dim, layout=names.KV_SHARED)
     return full_pass_logits(decoder, ids)
 
 

@@ -87,7 +87,7 @@ def weights_swapped_for(model, cfg: QuantizeConfig):
     """The float model with every weight replaced by what its codes dequantize to."""
     model = copy.deepcopy(model)
     initializers = {t.name: t for t in model.graph.initializer}
-    for linear in weight_only.linear_layers(model, cfg.block_size):
+    for linear in weight_only.linear_layers(model):
         w = numpy_helper.to_array(initializers[linear.weight_name])
         codes = weight_only.round_to_nearest(w, cfg.bits, cfg.block_size, cfg.zero_point)
         initializers[linear.weight_name].CopyFrom(numpy_helper.from_array(effective_weights(codes), linear.weight_name))
@@ -101,11 +101,16 @@ def weights_swapped_for(model, cfg: QuantizeConfig):
     return model
 
 
-def logits_of(model, folder):
+def quantize(model, cfg: QuantizeConfig, hessians=None):
+    return weight_only.quantize_model(model, cfg, hessians)[0]
+
+
+def logits_of(model, folder, hf):
     """Logits on IDS through the runtime, the model tagged as the quantize stage tags it."""
+    from tasks import architecture
     from tasks.quantize import tag_for_runtime
 
-    tag_for_runtime(model, {"hidden_size": 64, "num_attention_heads": 4})
+    tag_for_runtime(model, architecture.read(hf))
     folder.mkdir()
     onnx_io.save(model, folder)
     return full_pass_logits(Decoder(create_session(folder)), IDS)
@@ -115,15 +120,15 @@ def logits_of(model, folder):
 def test_quantized_graph_computes_what_its_codes_say(built, tmp_path, zero_point):
     cfg = QuantizeConfig(method="weight_only", zero_point=zero_point, accuracy_level=0)
     optimized = onnx_io.load(built["optimized"])
-    quantized = weight_only.quantize_model(copy.deepcopy(optimized), cfg)
-    expected = logits_of(weights_swapped_for(optimized, cfg), tmp_path / "simulated")
-    got = logits_of(quantized, tmp_path / "quantized")
+    quantized = quantize(copy.deepcopy(optimized), cfg)
+    expected = logits_of(weights_swapped_for(optimized, cfg), tmp_path / "simulated", built["hf"])
+    got = logits_of(quantized, tmp_path / "quantized", built["hf"])
     np.testing.assert_allclose(got, expected, atol=2e-3)
-    assert np.abs(got - logits_of(optimized, tmp_path / "float")).max() > 1e-3  # it did quantize
+    assert np.abs(got - logits_of(optimized, tmp_path / "float", built["hf"])).max() > 1e-3  # it did quantize
 
 
 def test_tied_vocabulary_is_stored_once(built):
-    model = weight_only.quantize_model(onnx_io.load(built["optimized"]), QuantizeConfig(method="weight_only"))
+    model = quantize(onnx_io.load(built["optimized"]), QuantizeConfig(method="weight_only"))
     vocab, hidden = 384, 64
     vocab_sized = {t.name for t in model.graph.initializer if t.dims and t.dims[0] == vocab}
     assert vocab_sized == {"lm_head/q", "lm_head/scales_fp16", "lm_head/zero_points"}
@@ -139,9 +144,7 @@ def test_tied_vocabulary_is_stored_once(built):
 def test_block_sums_only_for_float_zero_points(built):
     optimized = onnx_io.load(built["optimized"])
     for zero_point, offsets in (("float", True), ("integer", False), ("none", False)):
-        model = weight_only.quantize_model(
-            copy.deepcopy(optimized), QuantizeConfig(method="weight_only", zero_point=zero_point)
-        )
+        model = quantize(copy.deepcopy(optimized), QuantizeConfig(method="weight_only", zero_point=zero_point))
         concats = [n for n in model.graph.node if n.name.endswith("/block_sum32/Concat")]
         assert bool(concats) is offsets, zero_point
         assert "MatMul" not in {n.op_type for n in model.graph.node}  # the offsets ride in MatMulNBits
@@ -149,7 +152,7 @@ def test_block_sums_only_for_float_zero_points(built):
 
 def test_eight_bit_blocks_and_output_bits(built):
     cfg = QuantizeConfig(method="weight_only", output_bits=8, eight_bit_blocks=(0, -1))
-    model = weight_only.quantize_model(onnx_io.load(built["optimized"]), cfg)
+    model = quantize(onnx_io.load(built["optimized"]), cfg)
     bits = {
         n.name: next(a.i for a in n.attribute if a.name == "bits")
         for n in model.graph.node
@@ -162,9 +165,7 @@ def test_eight_bit_blocks_and_output_bits(built):
 
 
 def test_output_bits_32_keeps_the_float_output_layer(built):
-    model = weight_only.quantize_model(
-        onnx_io.load(built["optimized"]), QuantizeConfig(method="weight_only", output_bits=32)
-    )
+    model = quantize(onnx_io.load(built["optimized"]), QuantizeConfig(method="weight_only", output_bits=32))
     logits = next(n for n in model.graph.node if n.output[0] == "logits")
     assert logits.op_type == "MatMul" and any(n.op_type == "Gather" for n in model.graph.node)
 
@@ -183,18 +184,21 @@ def test_data_aware_and_hqq_algorithms_build_running_models(built, tmp_path, alg
     )
     hessians = calibration.input_hessians(model, weight_only.calibrated_inputs(model, cfg), chunks, head_dim=16)
     assert all(h.shape[0] == h.shape[1] and np.all(np.diag(h) >= 0) for h in hessians.values())
-    quantized = weight_only.quantize_model(model, cfg, hessians)
-    logits = logits_of(quantized, tmp_path / algorithm)
+    quantized = quantize(model, cfg, hessians)
+    logits = logits_of(quantized, tmp_path / algorithm, built["hf"])
     assert np.isfinite(logits).all()
 
 
 def test_linears_reading_one_input_become_one_matmul(built):
     optimized = onnx_io.load(built["optimized"])
-    linears = weight_only.linear_layers(optimized, 32)
-    model = weight_only.quantize_model(copy.deepcopy(optimized), QuantizeConfig(method="weight_only"))
+    linears = weight_only.linear_layers(optimized)
+    model = quantize(copy.deepcopy(optimized), QuantizeConfig(method="weight_only"))
     splits = [n for n in model.graph.node if n.op_type == "Split"]
     readers = [n.input[0] for n in model.graph.node if n.op_type == "MatMulNBits" and n.name != "lm_head/MatMulNBits"]
     assert len(readers) == len(set(readers)) == len({linear.node.input[0] for linear in linears}) < len(linears)
     assert {out for split in splits for out in split.output} == {
-        linear.node.output[0] for group in weight_only.sibling_groups(linears) if len(group) > 1 for linear in group
+        linear.node.output[0]
+        for group in weight_only.sibling_groups(linears, weight_only.layer_blocks(linears, 32)[0])
+        if len(group) > 1
+        for linear in group
     }

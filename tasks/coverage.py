@@ -1,0 +1,198 @@
+"""What precision each weight matrix of a variant is stored at, read from the graph itself.
+
+quantize records it in the manifest, and validate reads the graph again and compares it with what
+the variant's params asked: a variant called int4 whose linear layers stayed float (GPT-2's
+Conv1D layers export as Gemm, which a MatMul-only quantizer skips) fails instead of passing on a
+perplexity that float weights made easy.
+
+Roles: `linear` (a layer's matmul), `output` (the matmul that produces the logits) and
+`embedding` (the token lookup). A matrix read twice (a tied vocabulary matrix: the output layer
+and the lookup) counts its stored bytes once, at its first reader; the second is `shared`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from ortforge import names
+from tasks.onnx_io import TOWARD_LOGITS
+from tasks.params import QuantizeConfig
+
+LAYER_INDEX = re.compile(r"/layers\.(\d+)/|/h\.(\d+)/")  # LLaMA-style and GPT-2 node names
+# Nodes a weight passes through from its initializer to the matmul that reads it, and the width
+# they imply: DequantizeLinear (static QDQ) reads 8-bit codes.
+WEIGHT_PATH = {"Cast", "Transpose", "Reshape", "DequantizeLinear"}
+MATMULS = {"MatMul", "Gemm", "FusedMatMul", "MatMulInteger", "DynamicQuantizeMatMul"}
+BITS_OF_TYPE = {1: 32, 10: 16, 16: 16, 2: 8, 3: 8, 21: 4, 22: 4}  # float, (b)float16, (u)int8, (u)int4
+
+
+@dataclass(frozen=True)
+class Weight:
+    node: str
+    op: str
+    role: str  # linear, output, embedding
+    bits: int
+    parameters: int  # weights in the matrix (K x N, or rows x columns)
+    stored_bytes: int  # 0 when shared
+    layer: int | None
+    shared: bool = False
+
+
+def layer_of(name: str) -> int | None:
+    match = LAYER_INDEX.search(name)
+    return int(next(group for group in match.groups() if group is not None)) if match else None
+
+
+def _attribute(node, name: str):
+    from onnx import helper
+
+    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), None)
+
+
+class _Graph:
+    def __init__(self, model):
+        self.initializers = {t.name: t for t in model.graph.initializer}
+        self.producers = {out: node for node in model.graph.node for out in node.output}
+        self.consumers = defaultdict(list)
+        for node in model.graph.node:
+            for name in node.input:
+                self.consumers[name].append(node)
+        self.counted: set[str] = set()
+
+    def source(self, name: str):
+        """(initializer, bits) a weight input is read from, or None when it is an activation."""
+        bits = None
+        for _ in range(4):
+            if name in self.initializers:
+                tensor = self.initializers[name]
+                return tensor, bits or BITS_OF_TYPE.get(tensor.data_type, 32)
+            node = self.producers.get(name)
+            if node is None or node.op_type not in WEIGHT_PATH:
+                return None
+            if node.op_type == "DequantizeLinear":
+                bits = (
+                    BITS_OF_TYPE.get(self.initializers[node.input[0]].data_type, 8)
+                    if node.input[0] in self.initializers
+                    else 8
+                )
+            name = node.input[0]
+        return None
+
+    def feeds_logits(self, name: str) -> bool:
+        frontier = [name]
+        for _ in range(6):
+            if names.LOGITS in frontier:
+                return True
+            frontier = [
+                out
+                for value in frontier
+                for n in self.consumers[value]
+                if n.op_type in TOWARD_LOGITS
+                for out in n.output
+            ]
+        return False
+
+    def store(self, inputs) -> tuple[int, bool]:
+        """Bytes of the initializers behind inputs not counted before, and whether all were."""
+        tensors = [found[0] for found in (self.source(name) for name in inputs if name) if found is not None]
+        fresh = [t for t in tensors if t.name not in self.counted]
+        self.counted |= {t.name for t in fresh}
+        size = sum(int(np.prod(t.dims)) * max(BITS_OF_TYPE.get(t.data_type, 32), 8) // 8 for t in fresh)
+        return size, bool(tensors) and not fresh
+
+
+def weights(model) -> list[Weight]:
+    """Every weight matrix the graph multiplies by or looks up, with its stored precision.
+
+    Matmuls first, so a tied matrix's bytes count at the output layer and the lookup is `shared`."""
+    graph = _Graph(model)
+    nodes = sorted(model.graph.node, key=lambda node: node.op_type in ("Gather", "GatherBlockQuantized"))
+    return [weight for node in nodes if (weight := _matrix(graph, node)) is not None]
+
+
+def _matrix(graph: _Graph, node) -> Weight | None:
+    op, layer = node.op_type, layer_of(node.name)
+    if op == "MatMulNBits":
+        size, shared = graph.store(node.input[1:4])
+        role = "output" if graph.feeds_logits(node.output[0]) else "linear"
+        parameters = _attribute(node, "K") * _attribute(node, "N")
+        return Weight(node.name, op, role, _attribute(node, "bits"), parameters, size, layer, shared)
+    if op == "GatherBlockQuantized":
+        bits = _attribute(node, "bits")
+        codes = graph.source(node.input[0])[0]
+        size, shared = graph.store([node.input[0], *node.input[2:]])
+        return Weight(node.name, op, "embedding", bits, int(np.prod(codes.dims)) * 8 // bits, size, layer, shared)
+    weight_input = {"Gather": 0}.get(op, 1 if op in MATMULS else None)
+    if weight_input is None:
+        return None
+    found = graph.source(node.input[weight_input])
+    if found is None or len(found[0].dims) != 2:
+        return None
+    tensor, bits = found
+    if op in ("MatMulInteger", "DynamicQuantizeMatMul"):
+        bits = 8
+    if op == "Gather":
+        role = "embedding"
+    else:
+        role = "output" if graph.feeds_logits(node.output[0]) else "linear"
+    size, shared = graph.store([node.input[weight_input]])
+    return Weight(node.name, op, role, bits, int(np.prod(tensor.dims)), size, layer, shared)
+
+
+def summary(found: list[Weight]) -> dict:
+    """Per role and bit width: matrices, weights, stored bytes, and the share of the role's weights."""
+    table: dict[str, dict[str, dict]] = {}
+    for weight in found:
+        row = table.setdefault(weight.role, {}).setdefault(
+            str(weight.bits), {"matrices": 0, "parameters": 0, "bytes": 0}
+        )
+        row["matrices"] += 1
+        row["parameters"] += weight.parameters
+        row["bytes"] += weight.stored_bytes
+    for rows in table.values():
+        total = sum(row["parameters"] for row in rows.values())
+        for row in rows.values():
+            row["share"] = row["parameters"] / total
+    return table
+
+
+def describe(table: dict) -> str:
+    """One line: each role's widths and shares, e.g. `linear 4-bit 100%; output 4-bit 100%`."""
+    return "; ".join(
+        f"{role} "
+        + ", ".join(f"{bits}-bit {row['share']:.0%}" for bits, row in sorted(rows.items(), key=lambda r: int(r[0])))
+        for role, rows in table.items()
+    )
+
+
+def as_records(found: list[Weight]) -> list[dict]:
+    return [asdict(weight) for weight in found]
+
+
+def asked_bits(params: QuantizeConfig, weight: Weight, num_layers: int, kept_float: set[str]) -> int | None:
+    """The width the variant's params ask of one matrix; None where they ask nothing (lookups)."""
+    if weight.role == "embedding":
+        return None
+    if weight.node in kept_float or any(pattern in weight.node for pattern in params.keep_float):
+        return 32
+    if params.method == "weight_only":
+        if weight.role == "output":
+            return params.output_bits
+        eight_bit = {index % num_layers for index in params.eight_bit_blocks}
+        return 8 if weight.layer in eight_bit else params.bits
+    return {"fp32": 32, "fp16": 16}.get(params.method, 8)  # both int8 methods quantize every matmul
+
+
+def shortfall(params: QuantizeConfig, found: list[Weight], kept_float: set[str]) -> tuple[float, list[str]]:
+    """The share of matmul weights stored at the width asked of them, and the matrices that are not."""
+    num_layers = 1 + max((w.layer for w in found if w.layer is not None), default=0)
+    asked = [(weight, asked_bits(params, weight, num_layers, kept_float)) for weight in found]
+    asked = [(weight, bits) for weight, bits in asked if bits is not None]
+    total = sum(weight.parameters for weight, _ in asked)
+    wrong = [(weight, bits) for weight, bits in asked if weight.bits != bits]
+    share = 1.0 - sum(weight.parameters for weight, _ in wrong) / total if total else 0.0
+    return share, [f"{weight.node} ({weight.op}, {weight.bits}-bit, asked {bits})" for weight, bits in wrong]

@@ -1,0 +1,141 @@
+"""Mixed precision chosen by measurement: which parts of a 4-bit model keep 8 bits within a size
+budget.
+
+Like llama.cpp's Q4_K_M, a 4-bit variant spends more bits where they matter most; unlike its
+fixed recipe (attn_v and ffn_down of some layers at Q6_K), the parts are ranked by measuring them
+on the model at hand. Each part (the output layer with its tied embedding; each decoder block's
+linears) is quantized to 4 bits alone, the rest of the model float, and its mean KL divergence
+from the float model on the calibration text is its damage. Parts are raised to 8 bits in order
+of damage per extra megabyte while the variant's estimated size stays within size_budget_mb.
+
+Reads the optimized float graph and calibration chunks; returns the QuantizeConfig with
+eight_bit_blocks and output_bits chosen, and the measurements (recorded in the manifest).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ortforge import names
+from tasks import coverage, evaluation, onnx_io, weight_only
+from tasks.errors import StageError
+from tasks.params import EvalConfig, QuantizeConfig
+
+log = logging.getLogger(__name__)
+
+MB = 1e6
+OUTPUT = "output"
+# Each calibration chunk is one sequence; the float model's 32 most likely tokens per position
+# carry the KL divergence (tasks/evaluation.py).
+MEASURE = EvalConfig(window=512, top_k=32)
+
+
+def _decoder(folder: Path, head_dim: int, layout: str):
+    from ortforge import Decoder, create_session
+
+    return Decoder(create_session(folder), head_dim=head_dim, layout=layout)
+
+
+def _layout(model) -> str:
+    return names.KV_SHARED if any(n.op_type == "GroupQueryAttention" for n in model.graph.node) else "chained"
+
+
+@dataclass(frozen=True)
+class Measure:
+    """What the measurements run on: the float graph (and its folder), calibration chunks, the KV
+    head size, and the calibration statistics the chosen algorithms need."""
+
+    model: object
+    model_dir: Path
+    chunks: list
+    head_dim: int
+    hessians: dict
+
+
+def _damage(measure: Measure, cfg: QuantizeConfig, part, reference, scratch: Path) -> tuple[float, int]:
+    """(KL from the float model, stored bytes) with only `part` quantized to cfg.bits."""
+    candidate = copy.deepcopy(measure.model)
+    if part == OUTPUT:
+        weight_only.quantize_model(candidate, cfg, measure.hessians, only_blocks=set())
+    else:
+        float_output = cfg.model_copy(update={"output_bits": 32})
+        weight_only.quantize_model(candidate, float_output, measure.hessians, only_blocks={part})
+    folder = scratch / f"part-{part}"
+    folder.mkdir()
+    onnx_io.save(candidate, folder, external_data=True)  # moves the copy's weights to the file
+    decoder = _decoder(folder, measure.head_dim, _layout(measure.model))
+    kl = np.mean([evaluation.compare(decoder, ref, MEASURE, len(ref.ids) - 1)["kl_divergence"] for ref in reference])
+    stored = sum(
+        w.stored_bytes
+        for w in coverage.weights(candidate)
+        if (w.role != "linear") == (part == OUTPUT) and (part == OUTPUT or w.layer == part) and w.bits == cfg.bits
+    )
+    return float(kl), stored
+
+
+def _references(model_dir: Path, layout: str, chunks, head_dim: int) -> list[evaluation.TextReference]:
+    decoder = _decoder(model_dir, head_dim, layout)
+    empty = np.zeros(0, dtype=np.int64)
+    found = []
+    for chunk in chunks:
+        ids = np.concatenate([chunk, chunk[-1:]])  # every token of the chunk scored (the last one twice)
+        scores, _ = evaluation.score_reference(decoder, ids, MEASURE, len(ids) - 1)
+        found.append(evaluation.TextReference(ids=ids, greedy_prompt=empty, greedy_tokens=empty, **scores))
+    return found
+
+
+def widen(bytes_at_4: int, block: int) -> int:
+    """The bytes a part stored at 4 bits takes at 8 (codes double; per-block scales stay)."""
+    per_weight_4 = 0.5 + 2.5 / block  # codes, a float16 scale and a 4-bit zero point per block
+    per_weight_8 = 1.0 + 2.0 / block  # codes and a scale (symmetric)
+    return int(bytes_at_4 * per_weight_8 / per_weight_4)
+
+
+def choose(measure: Measure, cfg: QuantizeConfig, num_layers: int) -> tuple[QuantizeConfig, dict]:
+    """cfg with the measured choice of 8-bit parts, and the table behind it."""
+    parts: list[object] = [OUTPUT, *range(num_layers)]
+    reference = _references(measure.model_dir, _layout(measure.model), measure.chunks, measure.head_dim)
+    with tempfile.TemporaryDirectory(prefix="ortforge-mixed-") as scratch:
+        measured = {}
+        for index, part in enumerate(parts):
+            measured[part] = _damage(measure, cfg, part, reference, Path(scratch))
+            log.info("mixed precision: part %s damage KL %.4g (%d/%d)", part, measured[part][0], index + 1, len(parts))
+    floor = _floor_bytes(measure.model, measured)
+    rows = [
+        {"part": str(part), "kl_at_4_bits": kl, "mb_at_4_bits": size / MB, "extra_mb_at_8_bits": extra / MB}
+        for part, (kl, size) in measured.items()
+        for extra in [widen(size, cfg.block_size) - size]
+    ]
+    total, chosen = floor, []
+    for row in sorted(rows, key=lambda r: r["kl_at_4_bits"] / max(r["extra_mb_at_8_bits"], 1e-9), reverse=True):
+        if (total + row["extra_mb_at_8_bits"] * MB) / MB <= cfg.size_budget_mb:
+            total += row["extra_mb_at_8_bits"] * MB
+            chosen.append(row["part"])
+    if floor / MB > cfg.size_budget_mb:
+        raise StageError(
+            f"even with every part at 4 bits the variant would take about {floor / MB:.0f} MB, over size_budget_mb "
+            f"{cfg.size_budget_mb:g}; raise the budget"
+        )
+    blocks = tuple(sorted(int(part) for part in chosen if part != OUTPUT))
+    output_bits = 8 if OUTPUT in chosen else cfg.output_bits
+    log.info(
+        "mixed precision: 8 bits for %s (about %.0f MB of %g)", chosen or "nothing", total / MB, cfg.size_budget_mb
+    )
+    table = {"parts": rows, "eight_bit": chosen, "estimated_mb": total / MB, "floor_mb": floor / MB}
+    return cfg.model_copy(update={"eight_bit_blocks": blocks, "output_bits": output_bits}), table
+
+
+def _floor_bytes(model, measured: dict) -> int:
+    """The variant's size with every part at 4 bits: the parts plus what stays float (norms, tables)."""
+    quantized = {lin.weight_name for lin in weight_only.linear_layers(model)}
+    head, embedding = weight_only.output_layer(model), weight_only.token_embedding(model)
+    quantized |= {head.weight_initializer} if head is not None else set()
+    quantized |= {embedding[1].name} if embedding is not None else set()
+    rest = sum(int(np.prod(t.dims)) * 4 for t in model.graph.initializer if t.name not in quantized)
+    return rest + sum(size for _, size in measured.values())

@@ -1,0 +1,80 @@
+"""A variant is what its name says: the precision of every weight matrix is read from the graph,
+recorded by quantize, and checked by validate against what the variant's params asked; layers
+the asked block size does not fit get one that does, or the model is refused before any work."""
+
+from __future__ import annotations
+
+import pytest
+
+from ortforge.manifest import read_manifest
+from tasks import coverage, onnx_io, quantize, validate, weight_only
+from tasks.params import CalibrationConfig, QuantizeConfig
+from tasks.stage import StageError
+from tests import tiny_models
+from tests.conftest import EVAL_TEXT, REPO, tiny_params
+
+CALIBRATION = CalibrationConfig(text=REPO / "data/calibration/python-docs.txt", samples=2, tokens=32)
+
+
+@pytest.mark.parametrize("variant, bits", [("fp32", 32), ("int8", 8), ("int4", 4)])
+def test_manifest_records_every_matrix_at_the_variants_width(built, variant, bits):
+    table = read_manifest(built[variant])["coverage"]
+    assert set(table) == {"linear", "output", "embedding"}
+    for role in table:
+        assert set(table[role]) == {str(bits)}, role  # the tied embedding reads the output layer's codes
+    found = coverage.weights(onnx_io.load(built[variant], with_weights=False))
+    embedding = [w for w in found if w.role == "embedding"]
+    assert len(embedding) == 1 and embedding[0].shared and embedding[0].stored_bytes == 0  # stored once
+
+
+def test_int8_recipe_records_what_its_params_keep_float(built, tmp_path):
+    cfg = QuantizeConfig(method="int8_dynamic", keep_float=("down_proj",))
+    result = quantize.run(cfg, built["optimized"], built["hf"], tmp_path / "v", {}, CALIBRATION)
+    manifest = read_manifest(result.out_dir)
+    assert manifest["kept_float"] and all("down_proj" in node for node in manifest["kept_float"])
+    found = coverage.weights(onnx_io.load(result.out_dir, with_weights=False))
+    share, wrong = coverage.shortfall(cfg, found, set(manifest["kept_float"]))
+    assert (share, wrong) == (1.0, [])
+    assert {w.bits for w in found if w.role == "linear" and "down_proj" not in w.node} == {8}
+
+
+def test_a_linear_left_float_fails_validation_naming_it(built, params, tmp_path, monkeypatch):
+    every = weight_only.linear_layers
+    monkeypatch.setattr(weight_only, "linear_layers", lambda model: every(model)[1:])  # a quantizer that misses one
+    skipped = every(onnx_io.load(built["optimized"], with_weights=False))[0].node.name
+    out = tmp_path / "int4"
+    quantize.run(params.variant("int4"), built["optimized"], built["hf"], out, {"model": "tiny"})
+    loose = params.thresholds("tiny", "int4").model_copy(update={"ppl_ratio": 10.0, "kl_divergence": 10.0})
+    with pytest.raises(validate.ValidationFailed) as error:
+        validate.run(params.validation.eval, loose, out, built["reference"], tmp_path / "v.json", "int4")
+    message = str(error.value)
+    assert "coverage 0." in message and f"{skipped} (MatMul, 32-bit, asked 4)" in message
+
+
+def optimized_model(tmp_path, **config):
+    """A tiny LLaMA of the given dimensions through download, export and optimize."""
+    from tasks import download, export, optimize
+    from tasks.params import Params
+
+    params = Params.model_validate(tiny_params(tiny_models.build_hf_model(tmp_path / "src", EVAL_TEXT, **config)))
+    download.run(params.model("tiny"), tmp_path / "hf")
+    export.run(params.export, "auto", tmp_path / "hf", tmp_path / "onnx")
+    optimize.run(params.optimize, tmp_path / "onnx", tmp_path / "hf", tmp_path / "optimized")
+
+
+def test_hidden_size_the_block_does_not_divide_gets_a_smaller_block(tmp_path):
+    optimized_model(tmp_path, hidden_size=96, num_attention_heads=6, intermediate_size=128)
+    cfg = QuantizeConfig(method="weight_only", block_size=64)
+    quantize.run(cfg, tmp_path / "optimized", tmp_path / "hf", tmp_path / "v", {"model": "odd"})
+    manifest = read_manifest(tmp_path / "v")
+    assert manifest["coverage"]["linear"] == {"4": manifest["coverage"]["linear"]["4"]}  # every linear at 4 bits
+    assert any("block 32 (K=96 is not a multiple of 64)" in note for note in manifest["notes"])
+    found = coverage.weights(onnx_io.load(tmp_path / "v", with_weights=False))
+    assert coverage.shortfall(cfg, found, set()) == (1.0, [])
+
+
+def test_a_k_no_block_divides_is_refused_before_work(tmp_path):
+    optimized_model(tmp_path, intermediate_size=72)  # down_proj reads 72 = 8 x 9 inputs
+    with pytest.raises(StageError, match="has K=72 inputs, which no block of 16 or more divides"):
+        quantize.run(QuantizeConfig(method="weight_only"), tmp_path / "optimized", tmp_path / "hf", tmp_path / "v", {})
+    assert not (tmp_path / "v").exists()
