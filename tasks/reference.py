@@ -1,6 +1,8 @@
 """Measure the original PyTorch model once per model, so each variant is validated against the same
-figures without loading torch again: perplexity on the fixed text, logits on seeded random tokens,
-and greedy tokens.
+figures without loading torch again: on each evaluation text, the perplexity and every scored
+position's most likely tokens and their logits, and greedy tokens from a prompt in the text.
+
+PyTorch runs the family's own (eager) attention: the definition of the model, not a fast path.
 
 Reads artifacts/<model>/hf and params.yaml `validate.eval`; writes artifacts/<model>/reference
 (reference.npz with the exact inputs and outputs, reference.json with the scalar figures).
@@ -11,8 +13,16 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from tasks import paths
-from tasks.evaluation import Reference, eval_inputs, full_pass_logits, greedy, perplexity
+from tasks import architecture, paths
+from tasks.evaluation import (
+    Reference,
+    TextReference,
+    check_fits_context,
+    greedy,
+    score_reference,
+    sequence_length,
+    text_ids,
+)
 from tasks.files import atomic_output_dir
 from tasks.params import EvalConfig
 from tasks.stage import StageError, stage_cli
@@ -23,22 +33,25 @@ log = logging.getLogger(__name__)
 def run(cfg: EvalConfig, hf_dir: Path, out_dir: Path) -> Reference:
     from tasks.torch_decoder import TorchDecoder
 
-    if not (hf_dir / "tokenizer.json").is_file():
+    tokenizer_json = hf_dir / "tokenizer.json"
+    if not tokenizer_json.is_file():
         raise StageError(f"{hf_dir} has no tokenizer.json; run the download stage first (dvc repro download@<model>)")
-    decoder = TorchDecoder(hf_dir)
-    inputs = eval_inputs(cfg, hf_dir / "tokenizer.json", decoder.vocab_size)
-    log.info("scoring %d tokens of %s with PyTorch", len(inputs.text_ids) - 1, cfg.text)
-    reference = Reference(
-        text_ids=inputs.text_ids,
-        random_ids=inputs.random_ids,
-        random_logits=full_pass_logits(decoder, inputs.random_ids),
-        greedy_prompt=inputs.greedy_prompt,
-        greedy_tokens=greedy(decoder, inputs.greedy_prompt, cfg.greedy_steps),
-        perplexity=perplexity(decoder, inputs.text_ids, cfg.window),
-    )
+    arch = architecture.read(hf_dir)
+    check_fits_context(cfg, arch.context_length)
+    inputs = {Path(text).name: text_ids(cfg, text, tokenizer_json) for text in cfg.texts}
+    sequence = sequence_length(cfg, arch.context_length)
+    decoder = TorchDecoder(hf_dir, attention="eager")
+    texts, perplexity = {}, {}
+    for name, (ids, prompt) in inputs.items():
+        log.info("scoring %d tokens of %s with PyTorch (sequences of %d)", len(ids) - 1, name, sequence)
+        scores, perplexity[name] = score_reference(decoder, ids, cfg, sequence)
+        texts[name] = TextReference(
+            ids=ids, greedy_prompt=prompt, greedy_tokens=greedy(decoder, prompt, cfg.greedy_steps), **scores
+        )
+    reference = Reference(texts, perplexity, sequence)
     with atomic_output_dir(out_dir) as tmp:
-        reference.save(tmp, {"text": cfg.text.as_posix()})
-    log.info("reference perplexity %.3f; wrote %s", reference.perplexity, out_dir)
+        reference.save(tmp, {"text_paths": [Path(text).as_posix() for text in cfg.texts]})
+    log.info("reference perplexity %s; wrote %s", {k: round(v, 3) for k, v in perplexity.items()}, out_dir)
     return reference
 
 

@@ -26,7 +26,9 @@ BASELINE = "pytorch fp32 (KV cache)"
 class Row:
     variant: str
     perplexity: float
-    ppl_ratio: float
+    ppl_ratio: float  # the worst over the evaluation texts, as are the next two
+    kl_divergence: float
+    top1_agreement: float
     greedy: str
     size_mb: float
     decode_tokens_per_second: float
@@ -42,6 +44,8 @@ def _row(variant: str, validation: dict, bench: dict, speedup: float) -> Row:
         variant=variant,
         perplexity=validation["perplexity"],
         ppl_ratio=validation["ppl_ratio"],
+        kl_divergence=validation["kl_divergence"],
+        top1_agreement=validation["top1_agreement"],
         greedy=f"{validation['greedy_tokens_matched']}/{validation['greedy_steps']}",
         size_mb=bench["size_mb"],
         decode_tokens_per_second=bench["decode_tokens_per_second"],
@@ -53,23 +57,38 @@ def _row(variant: str, validation: dict, bench: dict, speedup: float) -> Row:
     )
 
 
-def collect(reports_dir: Path, variants: list[str]) -> tuple[list[Row], Row | None, dict]:
-    """The variants' rows, the PyTorch baseline's row (from the first bench that has one), the workload."""
-    rows, baseline, workload = [], None, {}
+def collect(reports_dir: Path, variants: list[str]) -> tuple[list[Row], Row | None, dict, list[str]]:
+    """The passing variants' rows, the PyTorch baseline's row (from the first bench that has one), the
+    workload, and the variants left out because they failed validation."""
+    rows, baseline, workload, failed = [], None, {}, []
     for variant in variants:
         folder = reports_dir / variant
         try:
-            validation, bench = read_json(folder / "validate.json"), read_json(folder / "bench.json")
+            validation = read_json(folder / "validate.json")
+            if not validation.get("passed"):  # never published, never reported
+                failed.append(variant)
+                continue
+            bench = read_json(folder / "bench.json")
         except FileNotFoundError as error:
             raise StageError(f"{error.filename} is missing; run `dvc repro` to validate and bench {variant}") from None
         rows.append(_row(variant, validation, bench, bench.get("vs_baseline", {}).get("decode_speedup", float("nan"))))
         workload = workload or {**bench["workload"], "tokens_scored": validation.get("tokens_scored")}
         if baseline is None and "baseline" in bench:
-            reference = {**validation, "perplexity": validation["reference_perplexity"], "ppl_ratio": 1.0}
+            reference = {
+                **validation,
+                "perplexity": validation["reference_perplexity"],
+                "ppl_ratio": 1.0,
+                "kl_divergence": 0.0,
+                "top1_agreement": 1.0,
+            }
             baseline = _row(
                 BASELINE, {**reference, "greedy_tokens_matched": "-", "greedy_steps": "-"}, bench["baseline"], 1.0
             )
-    return rows, baseline, workload
+    if not rows:
+        raise StageError(
+            f"no variant of {reports_dir.parent.name} passed validation ({', '.join(failed)}); nothing to report"
+        )
+    return rows, baseline, workload, failed
 
 
 def dominates(a: Row, b: Row) -> bool:
@@ -100,10 +119,10 @@ def recommend(rows: list[Row], cfg: ReportConfig) -> Row | None:
 
 
 def markdown(
-    model: str, rows: list[Row], baseline: Row | None, front: list[str], best: Row | None, cfg, workload
+    model: str, rows: list[Row], baseline: Row | None, front: list[str], best: Row | None, cfg, workload, failed
 ) -> str:
     header = (
-        "| variant | Pareto | perplexity | ppl ratio | greedy match | size MB | decode tok/s | "
+        "| variant | Pareto | perplexity | ppl ratio | KL | top-1 | greedy match | size MB | decode tok/s | "
         "decode ms p50 / p95 | first token ms p50 | peak RSS MB | decode x baseline |"
     )
     lines = [f"# {model}", ""]
@@ -114,11 +133,12 @@ def markdown(
         ]
     else:
         lines += [f"No variant is within perplexity x{cfg.max_ppl_ratio}; none is recommended.", ""]
-    lines += [header, "|" + "---|" * 11]
+    lines += [header, "|" + "---|" * 13]
     for row in rows + ([baseline] if baseline else []):
         mark = "yes" if row.variant in front else ("-" if row is baseline else "")
         lines.append(
-            f"| {row.variant} | {mark} | {row.perplexity:.2f} | {row.ppl_ratio:.3f} | {row.greedy} | "
+            f"| {row.variant} | {mark} | {row.perplexity:.2f} | {row.ppl_ratio:.3f} | {row.kl_divergence:.4f} | "
+            f"{row.top1_agreement:.3f} | {row.greedy} | "
             f"{row.size_mb:.1f} | {row.decode_tokens_per_second:.1f} | {row.decode_ms_p50:.1f} / "
             f"{row.decode_ms_p95:.1f} | {row.first_token_ms:.0f} | {row.peak_rss_mb:.0f} | {row.decode_speedup:.2f} |"
         )
@@ -127,9 +147,17 @@ def markdown(
         f"Workload: {workload.get('prompt_tokens')}-token prompt, {workload.get('new_tokens')} new tokens, greedy, "
         f"batch 1, {workload.get('warmup')} warm-up and {workload.get('repeats')} timed runs x "
         f"{workload.get('rounds')} round(s), each engine in its own process. Perplexity over "
-        f"{workload.get('tokens_scored')} tokens of the fixed text. Pareto: no other variant is at least as good "
-        f"in perplexity, size and decode speed and better in one.",
+        f"{workload.get('tokens_scored')} tokens of the first evaluation text; ppl ratio, KL (mean KL divergence "
+        f"from the reference, nats per token) and top-1 (share of positions whose most likely token is the "
+        f"reference's) are the worst over every evaluation text; greedy match counts greedy tokens equal to "
+        f"PyTorch's before the first difference. Pareto: no other variant is at least as good in perplexity, "
+        f"size and decode speed and better in one.",
     ]
+    if failed:
+        lines += [
+            "",
+            f"Not shown: {', '.join(failed)} failed validation (reports/{model}/variants/<variant>/validate.json).",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -186,9 +214,9 @@ def plot(model: str, rows: list[Row], baseline: Row | None, front: list[str], be
 
 
 def run(model: str, variants: list[str], cfg: ReportConfig, reports_dir: Path, out: dict[str, Path]) -> dict:
-    rows, baseline, workload = collect(reports_dir, variants)
+    rows, baseline, workload, failed = collect(reports_dir, variants)
     front, best = pareto_front(rows), recommend(rows, cfg)
-    text = markdown(model, rows, baseline, front, best, cfg, workload)
+    text = markdown(model, rows, baseline, front, best, cfg, workload, failed)
     atomic_write_text(out["md"], text)
     plot(model, rows, baseline, front, best, out["png"])
     figures = report_html.figures_for(rows, baseline, out["png"])
@@ -198,6 +226,7 @@ def run(model: str, variants: list[str], cfg: ReportConfig, reports_dir: Path, o
         "rule": cfg.model_dump(),
         "pareto_front": front,
         "variants": {row.variant: asdict(row) for row in rows},
+        "failed_validation": failed,
     }
     atomic_write_json(out["json"], summary)
     written = ", ".join(str(out[key]) for key in ("md", "png", "html", "json"))
@@ -215,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     }
 
     def body(a):
-        run(a.model, list(a.params.quantize), a.params.report, a.paths["reports"], a.paths)
+        run(a.model, a.params.variants_of(a.model), a.params.report, a.paths["reports"], a.paths)
 
     return stage_cli("report", __doc__, flags, body, argv)
 

@@ -21,6 +21,7 @@ from tests import tiny_models
 
 REPO = Path(__file__).resolve().parents[1]
 EVAL_TEXT = REPO / "data" / "eval" / "GPL-3.txt"
+CODE_TEXT = REPO / "data" / "eval" / "lstrlib.c"
 PROJECT_FILES = (
     "tasks",
     "ortforge",
@@ -54,15 +55,18 @@ WEIGHT_ONLY = {
     "output_algorithm": "rtn",
     "eight_bit_blocks": [],
 }
+VARIANTS = ("fp32", "int8", "int4")
 TINY_PARAMS = {
     "models": {
         "tiny": {
             "source": {"kind": "local", "path": "<set by fixture>"},
+            "exporter": "auto",
             "allow_pickle": False,
             "trust_remote_code": False,
         }
     },
-    "export": {"exporter": "genai", "opset": 18},
+    "builds": {f"tiny-{variant}": {"model": "tiny", "variant": variant} for variant in VARIANTS},
+    "export": {"opset": 18},
     "optimize": {"model_type": "none", "opt_level": 0},
     "quantize": {
         "fp32": {"method": "fp32"},
@@ -72,11 +76,10 @@ TINY_PARAMS = {
     "calibration": {"text": str(REPO / "data" / "calibration" / "python-docs.txt"), "samples": 2, "tokens": 64},
     "validate": {
         "eval": {
-            "text": str(EVAL_TEXT),
+            "texts": [str(EVAL_TEXT.relative_to(REPO)), str(CODE_TEXT.relative_to(REPO))],  # under data/eval
             "max_tokens": 128,
             "window": 32,
-            "seed": 0,
-            "logits_tokens": 16,
+            "top_k": 16,
             "greedy_prompt_offset": 10,
             "greedy_prompt_tokens": 8,
             "greedy_steps": 8,
@@ -84,9 +87,27 @@ TINY_PARAMS = {
             "kv_steps": 8,
         },
         "thresholds": {
-            "fp32": {"max_logit_diff": 0.001, "ppl_ratio": 1.001, "greedy_match": 1.0, "kv_max_diff": 0.001},
-            "int8": {"max_logit_diff": 1.0, "ppl_ratio": 1.1, "greedy_match": 0.0, "kv_max_diff": 1.0},
-            "int4": {"max_logit_diff": 1.0, "ppl_ratio": 1.1, "greedy_match": 0.0, "kv_max_diff": 1.0},
+            "fp32": {
+                "ppl_ratio": 1.001,
+                "kl_divergence": 1e-4,
+                "top1_agreement": 0.99,
+                "greedy_agreement": 1.0,
+                "kv_max_prob_diff": 1e-3,
+            },
+            "int8": {
+                "ppl_ratio": 1.1,
+                "kl_divergence": 0.1,
+                "top1_agreement": 0.85,
+                "greedy_agreement": 0.0,
+                "kv_max_prob_diff": 0.1,
+            },
+            "int4": {
+                "ppl_ratio": 1.1,
+                "kl_divergence": 0.1,
+                "top1_agreement": 0.4,
+                "greedy_agreement": 0.0,
+                "kv_max_prob_diff": 0.1,
+            },
         },
     },
     "report": {"recommend_by": "decode_tokens_per_second", "max_ppl_ratio": 1.1},
@@ -141,9 +162,11 @@ def tiny_qwen_hf(tmp_path_factory) -> Path:
 
 
 def add_model(project: Path, name: str, hf_dir: Path) -> None:
-    """Add a local-folder model to the project's params.yaml: the only file a new model touches."""
+    """Add a local-folder model and its builds to the project's params.yaml: the only file a new
+    model touches."""
     params = yaml.safe_load((project / "params.yaml").read_text(encoding="utf-8"))
     params["models"][name] = {**params["models"]["tiny"], "source": {"kind": "local", "path": str(hf_dir)}}
+    params["builds"] |= {f"{name}-{variant}": {"model": name, "variant": variant} for variant in VARIANTS}
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False), encoding="utf-8")
 
 
@@ -163,7 +186,7 @@ def built(tmp_path_factory, tiny_hf, params) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("built")
     out = {name: root / name for name in ("hf", "onnx", "optimized", "reference")}
     download.run(params.model("tiny"), out["hf"])
-    export.run(params.export, out["hf"], out["onnx"])
+    export.run(params.export, "auto", out["hf"], out["onnx"])
     optimize.run(params.optimize, out["onnx"], out["hf"], out["optimized"])
     reference.run(params.validation.eval, out["hf"], out["reference"])
     for variant, cfg in params.quantize.items():
@@ -200,7 +223,7 @@ def built_optimum(tmp_path_factory, built, params) -> dict[str, Path]:
 
     root = tmp_path_factory.mktemp("optimum")
     out = {"hf": built["hf"], "onnx": root / "onnx", "optimized": root / "optimized", "fp32": root / "fp32"}
-    export.run(ExportConfig(exporter="optimum"), built["hf"], out["onnx"])
+    export.run(ExportConfig(), "optimum", built["hf"], out["onnx"])
     optimize.run(OptimizeConfig(model_type="gpt2"), out["onnx"], built["hf"], out["optimized"])
     quantize.run(QuantizeConfig(method="fp32"), out["optimized"], built["hf"], out["fp32"], {"model": "tiny"})
     return out

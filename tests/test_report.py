@@ -27,6 +27,8 @@ def fake_reports(folder, figures=FIGURES):
             "passed": True,
             "perplexity": 19.6 * ratio,
             "ppl_ratio": ratio,
+            "kl_divergence": (ratio - 1) * 2,
+            "top1_agreement": 1 - (ratio - 1),
             "reference_perplexity": 19.6,
             "greedy_tokens_matched": 20,
             "greedy_steps": 32,
@@ -66,7 +68,9 @@ def test_run_marks_front_and_recommends_by_rule(tmp_path, outputs):
     assert summary["recommended"] == "int4"  # fastest within x1.07
     text = outputs["md"].read_text()
     assert "**Recommended: int4**" in text
-    assert "| int4 | yes | 20.66 | 1.054 | 20/32 | 86.0 | 120.0 | 8.3 / 9.2 | 100 | 300 | 4.80 |" in text
+    assert (
+        "| int4 | yes | 20.66 | 1.054 | 0.1080 | 0.946 | 20/32 | 86.0 | 120.0 | 8.3 / 9.2 | 100 | 300 | 4.80 |" in text
+    )
     assert "| slow8 |  |" in text and f"| {report.BASELINE} | - |" in text
     assert outputs["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads(outputs["json"].read_text())["recommended"] == "int4"
@@ -83,7 +87,7 @@ def test_run_marks_front_and_recommends_by_rule(tmp_path, outputs):
 )
 def test_recommend_follows_the_rule(tmp_path, rule, expected):
     fake_reports(tmp_path / "variants")
-    rows, _, _ = report.collect(tmp_path / "variants", list(FIGURES))
+    rows, _, _, _ = report.collect(tmp_path / "variants", list(FIGURES))
     assert report.recommend(rows, rule).variant == expected
 
 
@@ -99,3 +103,22 @@ def test_run_names_the_missing_report(tmp_path, outputs):
     with pytest.raises(StageError, match="int8/validate.json is missing; run `dvc repro`"):
         report.run("tiny", ["fp32", "int8"], ReportConfig(), tmp_path / "variants", outputs)
     assert not outputs["md"].exists()
+
+
+def test_a_variant_that_failed_validation_never_reaches_the_table(tmp_path, outputs):
+    fake_reports(tmp_path / "variants")
+    failed = tmp_path / "variants" / "int4" / "validate.json"
+    failed.write_text(json.dumps(json.loads(failed.read_text()) | {"passed": False}))
+    summary = report.run("m", list(FIGURES), ReportConfig(), tmp_path / "variants", outputs)
+    table = outputs["md"].read_text()
+    assert "| int4 |" not in table and "int4" not in summary["variants"]
+    assert summary["recommended"] != "int4" and summary["failed_validation"] == ["int4"]
+    assert "Not shown: int4 failed validation" in table
+
+
+def test_run_refuses_when_no_variant_passed(tmp_path, outputs):
+    fake_reports(tmp_path / "variants", {"int4": FIGURES["int4"]})
+    failed = tmp_path / "variants" / "int4" / "validate.json"
+    failed.write_text(json.dumps(json.loads(failed.read_text()) | {"passed": False}))
+    with pytest.raises(StageError, match="no variant of .* passed validation \\(int4\\)"):
+        report.run("m", ["int4"], ReportConfig(), tmp_path / "variants", outputs)

@@ -93,7 +93,12 @@ def empty_local_source(tmp, built):
 
 def hub_id_offline(tmp, built):
     params = tiny_params(built["hf"])
-    params["models"]["tiny"]["source"] = {"kind": "hub", "repo_id": "org/absent", "revision": "a" * 40}
+    params["models"]["tiny"]["source"] = {
+        "kind": "hub",
+        "repo_id": "org/absent",
+        "revision": "a" * 40,
+        "path": "data/sources/pinned.txt",
+    }
     write_params(tmp, params)
     (tmp / "hf-home").mkdir()
     return ["tasks.download", "--model", "tiny"], {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp / "hf-home")}
@@ -117,7 +122,7 @@ CASES = [
     (unknown_variant, "unknown variant `int3`; params.yaml `quantize` has: fp32, int8, int4"),
     (missing_path, "no-such-folder has no config.json; run the download stage first"),
     (truncated_gguf, "cut.gguf is truncated or corrupt"),
-    (unsupported_architecture, "model_type `mystery-net`"),
+    (unsupported_architecture, "cannot read it (The checkpoint you are trying to load has model type `mystery-net`"),
     (unknown_model, "unknown model `gpt-9`"),
     (unknown_algorithm, "quantize.int4.algorithm: Input should be 'rtn', 'imatrix', 'hqq' or 'gptq'"),
     (wrong_type, "quantize.int4.block_size: Input should be a valid integer"),

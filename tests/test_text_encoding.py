@@ -53,7 +53,7 @@ def validated_project(built, params, folder):
     write_params(folder, tiny_params(built["hf"]))
     variant = folder / "artifacts" / "tiny" / "variants" / "int4"
     shutil.copytree(built["int4"], variant)
-    loose = Thresholds(max_logit_diff=1e9, ppl_ratio=1e9, greedy_match=0.0, kv_max_diff=1e9)
+    loose = Thresholds(ppl_ratio=1e9, kl_divergence=1e9, top1_agreement=0.0, greedy_agreement=0.0, kv_max_prob_diff=1.0)
     validate.run(params.validation.eval, loose, variant, built["reference"], folder / "validate.json", "int4")
     return folder
 
