@@ -73,7 +73,7 @@ def optimum_fp32(model: str) -> Path:
 
     out = CACHE / model / "optimum-fp32"
     if not (out / "model.onnx").is_file():
-        export.run(ExportConfig(exporter="optimum"), paths.hf_dir(model), out)
+        export.run(ExportConfig(), "optimum", paths.hf_dir(model), out)
     return out
 
 

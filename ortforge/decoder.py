@@ -62,6 +62,8 @@ class Decoder:
         self.head_dim = _head_dim(key, metadata, head_dim)
         self.kv_dtype = ORT_TO_NUMPY[key.type]
         self.shared = (layout or metadata.get(names.KV_LAYOUT_KEY)) == names.KV_SHARED
+        # None for a graph without the tag (an export not made by the quantize stage): no limit known.
+        self.context_length = int(metadata[names.CONTEXT_LENGTH_KEY]) if names.CONTEXT_LENGTH_KEY in metadata else None
         self.uses_position_ids = names.POSITION_IDS in inputs
         self.uses_attention_mask = names.ATTENTION_MASK in inputs
         self.can_keep_last = names.LOGITS_TO_KEEP in inputs
@@ -100,12 +102,21 @@ class Decoder:
         logits_to_keep input then skip the others, and the result has one row.
         """
         ids = np.ascontiguousarray(np.asarray(token_ids, dtype=np.int64).reshape(1, -1))
+        self.check_fits(cache.length + ids.shape[1])
         chunk = self.prefill_chunk
         if last_only and chunk and ids.shape[1] > chunk:
             *leading, ids = [ids[:, start : start + chunk] for start in range(0, ids.shape[1], chunk)]
             for piece in leading:  # their logits are not wanted: they only fill the cache
                 _, cache = self._run(np.ascontiguousarray(piece), cache, last_only=True)
         return self._run(np.ascontiguousarray(ids), cache, last_only)
+
+    def check_fits(self, positions: int) -> None:
+        """ValueError when a sequence of this many tokens is longer than the model's context."""
+        if self.context_length is not None and positions > self.context_length:
+            raise ValueError(
+                f"{positions} tokens do not fit the model's context of {self.context_length} positions; "
+                f"shorten the prompt or ask for fewer new tokens"
+            )
 
     def rewind(self, cache: KVCache, length: int) -> KVCache:
         """The cache cut back to its first length tokens (speculative decoding drops a rejected draft).

@@ -100,19 +100,41 @@ class TextGenerator:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
 
+    def encode_prompt(self, prompt: str) -> list[int]:
+        if not prompt:  # a tokenizer that adds BOS would turn it into a one-token prompt
+            raise ValueError("the prompt is empty; give some text to continue")
+        return self.encode(prompt)
+
+    def checked_prompt(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        """The prompt, once it is known to be non-empty and to leave room for max_new_tokens."""
+        if not prompt_ids:
+            raise ValueError("the prompt is empty (no tokens); give some text to continue")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens {max_new_tokens} must be at least 1")
+        try:
+            self.decoder.check_fits(len(prompt_ids) + max_new_tokens)
+        except ValueError:
+            raise ValueError(
+                f"a {len(prompt_ids)}-token prompt plus {max_new_tokens} new tokens does not fit the model's "
+                f"context of {self.decoder.context_length} positions; shorten the prompt or ask for fewer tokens"
+            ) from None
+        return prompt_ids
+
     def generate_ids(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        prompt_ids = self.checked_prompt(prompt_ids, max_new_tokens)
         return list(greedy_tokens(self.decoder, prompt_ids, max_new_tokens, self.stop_ids, self.prompt_lookup))
 
     def stream(self, prompt: str, max_new_tokens: int) -> Iterator[str]:
         detokenizer = IncrementalDetokenizer(self.tokenizer)
-        tokens = greedy_tokens(self.decoder, self.encode(prompt), max_new_tokens, self.stop_ids, self.prompt_lookup)
+        prompt_ids = self.checked_prompt(self.encode_prompt(prompt), max_new_tokens)
+        tokens = greedy_tokens(self.decoder, prompt_ids, max_new_tokens, self.stop_ids, self.prompt_lookup)
         for token in tokens:
             piece = detokenizer.push(token)
             if piece:
                 yield piece
 
     def generate(self, prompt: str, max_new_tokens: int) -> str:
-        ids = self.generate_ids(self.encode(prompt), max_new_tokens)
+        ids = self.generate_ids(self.encode_prompt(prompt), max_new_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 

@@ -26,7 +26,8 @@ VALIDATION_SUFFIX = ".valid.json"
 # Model metadata (ONNX metadata_props) the quantize stage writes for the runtime.
 KV_LAYOUT_KEY = "ortforge.kv_layout"  # "shared": one buffer per layer updated in place; else chained
 KV_SHARED = "shared"
-HEAD_DIM_KEY = "ortforge.head_dim"  # <variant>.valid.json beside the variant folder, written only on pass
+HEAD_DIM_KEY = "ortforge.head_dim"  # the KV cache's head size, which genai graphs leave symbolic
+CONTEXT_LENGTH_KEY = "ortforge.context_length"  # positions the model takes: prompt + new tokens must fit
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 GENERATION_CONFIG_FILE = "generation_config.json"
 MODEL_CONFIG_FILE = "config.json"

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from ortforge.manifest import check_validated
-from ortforge.names import MODEL_FILE
+from ortforge.names import CONTEXT_LENGTH_KEY, MODEL_FILE
 from tasks import paths
 from tasks.files import atomic_write_json, folder_bytes, megabytes
 from tasks.params import BenchConfig
@@ -64,11 +64,26 @@ def prompt_ids(variant_dir: Path, text: Path, count: int) -> list[int]:
     return ids[:count]
 
 
+def check_fits_context(cfg: BenchConfig, variant_dir: Path) -> None:
+    import onnx
+
+    metadata = {
+        p.key: p.value for p in onnx.load(str(variant_dir / MODEL_FILE), load_external_data=False).metadata_props
+    }
+    context = int(metadata.get(CONTEXT_LENGTH_KEY, 0))
+    if context and cfg.prompt_tokens + cfg.new_tokens > context:
+        raise StageError(
+            f"bench.prompt_tokens + bench.new_tokens = {cfg.prompt_tokens + cfg.new_tokens} exceed the model's context "
+            f"of {context} positions; lower them to fit"
+        )
+
+
 def run(cfg: BenchConfig, variant_dir: Path, hf_dir: Path) -> dict:
     try:
         check_validated(variant_dir)
     except ValueError as error:
         raise StageError(f"{error}; only validated variants are benchmarked (dvc repro validate@...)") from None
+    check_fits_context(cfg, variant_dir)
     prompt = prompt_ids(variant_dir, cfg.text, cfg.prompt_tokens)
     tuning = None
     if cfg.tune:
