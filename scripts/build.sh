@@ -1,13 +1,21 @@
 #!/usr/bin/env bash
-# Quick start, step 1: install, build the default model through every stage, print the results.
+# Quick start, step 1: install, build a model through every stage, print its results table.
+#   bash scripts/build.sh                 # the default model, smollm2-135m
+#   bash scripts/build.sh gemma3-270m     # any model of params.yaml `models` (several allowed)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 # shellcheck disable=SC1091
 . .venv/bin/activate
 export DVC_NO_ANALYTICS=1 DO_NOT_TRACK=1
-dvc repro
-for table in reports/*/report.md; do
+models=("$@")
+[ ${#models[@]} -gt 0 ] || models=(smollm2-135m)
+targets=()
+for model in "${models[@]}"; do
+  targets+=("report@$model")
+done
+dvc repro "${targets[@]}"
+for model in "${models[@]}"; do
   echo
-  cat "$table"
+  cat "reports/$model/report.md"
 done

@@ -109,3 +109,46 @@ def build(family: str, folder: Path, text_path: Path, seed: int = 0) -> Path:
     )
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def through_every_stage(family: str, root: Path, variants=("fp32", "int8", "int4")) -> dict:
+    """Build the family's tiny model through download, export (auto), optimize, reference, quantize
+    and validate (the tiny thresholds of tests/conftest.py); return the folders and the reports."""
+    from tasks import download, export, optimize, quantize, reference, validate
+    from tasks.params import Params
+    from tests.conftest import EVAL_TEXT, tiny_params
+
+    params = Params.model_validate(tiny_params(build(family, root / "src", EVAL_TEXT)))
+    out = {name: root / name for name in ("hf", "onnx", "optimized", "reference")}
+    download.run(params.model("tiny"), out["hf"])
+    export.run(params.export, "auto", out["hf"], out["onnx"])
+    optimize.run(params.optimize, out["onnx"], out["hf"], out["optimized"])
+    reference.run(params.validation.eval, out["hf"], out["reference"])
+    reports = {}
+    for variant in variants:
+        out[variant] = root / "variants" / variant
+        quantize.run(params.variant(variant), out["optimized"], out["hf"], out[variant], {"model": family})
+        limits = params.thresholds("tiny", variant)
+        report = root / f"{variant}.json"
+        reports[variant] = validate.run(params.validation.eval, limits, out[variant], out["reference"], report, variant)
+    return {"folders": out, "reports": reports}
+
+
+def runtime_gap(variant_dir: Path, hf_dir: Path, prefill: int = 14, steps: int = 6) -> float:
+    """Largest |runtime logit - PyTorch logit| relative to PyTorch's largest, over a prefill and
+    cached one-token steps through ortforge's runtime against one eager PyTorch pass."""
+    import numpy as np
+
+    from ortforge import Decoder
+    from tasks.torch_decoder import TorchDecoder
+
+    ids = np.random.default_rng(1).integers(3, VOCAB_SIZE, prefill + steps)
+    torch_decoder = TorchDecoder(hf_dir, attention="eager")
+    expected, _ = torch_decoder.forward(ids, torch_decoder.empty_cache())
+    decoder = Decoder.for_artifact(variant_dir)
+    logits, cache = decoder.forward(ids[:prefill], decoder.empty_cache())
+    stepped = [logits]
+    for token in ids[prefill:]:
+        logits, cache = decoder.forward([int(token)], cache)
+        stepped.append(logits)
+    return float(np.abs(np.concatenate(stepped) - expected).max() / np.abs(expected).max())

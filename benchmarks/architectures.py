@@ -1,0 +1,83 @@
+"""Every architecture family ortforge takes, through every stage, as a table: a tiny random model
+of each family (tests/families.py: the family's real config class) is downloaded, exported
+(`auto`), optimized, quantized to fp32, int8 and int4 and validated against PyTorch, and its fp32
+artifact's prefill and cached decode are compared with PyTorch.
+
+    python benchmarks/architectures.py     # writes benchmarks/results/architectures.{json,md}
+
+The same pipeline is tests/test_architectures.py's fixture; this script records what it found.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tests import families  # noqa: E402  (the repository on the path first)
+
+RESULTS = REPO / "benchmarks" / "results"
+COLUMNS = (
+    "family",
+    "config class",
+    "exporter",
+    "genai refused because",
+    "fp32 vs PyTorch",
+    "int8 ppl",
+    "int4 ppl",
+    "int4 coverage",
+    "int4 KB",
+)
+
+
+def row(family: str, root: Path) -> dict:
+    built = families.through_every_stage(family, root)
+    folders, reports = built["folders"], built["reports"]
+    record = json.loads((folders["onnx"] / "export.json").read_text(encoding="utf-8"))
+    int4 = reports["int4"]
+    return {
+        "family": family,
+        "config_class": families.FAMILIES[family][0],
+        "exporter": record["exporter"],
+        "genai_refused": record["refused"].get("genai", ""),
+        "export_parity": record["parity"]["max_relative_logit_diff"],
+        "runtime_vs_pytorch": families.runtime_gap(folders["fp32"], folders["hf"]),
+        "ppl_ratio": {variant: figures["ppl_ratio"] for variant, figures in reports.items()},
+        "int4_coverage": int4["coverage"]["share_as_asked"],
+        "int4_by_role": {role: sorted(rows) for role, rows in int4["coverage"]["by_role"].items()},
+        "int4_kb": sum(p.stat().st_size for p in folders["int4"].glob("model.onnx*")) / 1e3,
+        "passed": all(figures["coverage"]["share_as_asked"] == 1.0 for figures in reports.values()),
+    }
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for r in rows:
+        refused = r["genai_refused"].split(" (")[0] if r["genai_refused"] else "-"
+        ppl = r["ppl_ratio"]
+        lines.append(
+            f"| {r['family']} | {r['config_class']} | {r['exporter']} | {refused} | {r['runtime_vs_pytorch']:.1e} | "
+            f"{ppl['int8']:.4f} | {ppl['int4']:.4f} | {r['int4_coverage']:.0%} | {r['int4_kb']:.0f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="ortforge-architectures-") as scratch:
+        for family in families.FAMILIES:
+            rows.append(row(family, Path(scratch) / family))
+            print(f"{family}: {rows[-1]['exporter']}, runtime vs PyTorch {rows[-1]['runtime_vs_pytorch']:.1e}")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "architectures.json").write_text(json.dumps(rows, indent=2) + "\n", encoding="utf-8")
+    (RESULTS / "architectures.md").write_text(markdown(rows), encoding="utf-8")
+    print(markdown(rows))
+    return 0 if all(r["passed"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
