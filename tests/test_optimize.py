@@ -24,9 +24,15 @@ def test_fuse_records_fusions_and_op_counts(built_optimum, tmp_path):
     assert "com.microsoft" in {opset.domain for opset in graph.opset_import}
 
 
-def test_model_type_none_keeps_the_graph(built, tmp_path):
+def test_model_type_none_keeps_the_graph_but_computes_rotary_tables(built, tmp_path):
     result = optimize.run(OptimizeConfig(model_type="none"), built["onnx"], built["hf"], tmp_path / "o")
-    assert result.fused == {} and result.ops_after == result.ops_before
+    assert result.fused == {}
+    computed = {"Range": 1, "Unsqueeze": 1, "Mul": 2, "Cos": 1, "Sin": 1}  # one table pair, from 8 frequencies
+    assert result.ops_after == {op: result.ops_before.get(op, 0) + computed.get(op, 0) for op in result.ops_after}
+    [pair] = result.rotary_computed
+    assert pair["tables"] == ["cos_cache", "sin_cache"] and pair["max_abs_diff"] <= 1e-6
+    graph = onnx_io.load(tmp_path / "o", with_weights=False)
+    assert not {"cos_cache", "sin_cache"} & {t.name for t in graph.graph.initializer}
 
 
 def test_rotary_tables_cut_to_model_context(built_optimum):
