@@ -46,9 +46,7 @@ def test_repository_params_set_every_key_explicitly():
     missing = [key for key in unset_keys(params) if not key.startswith("quantize.")]
     for name, variant in params.quantize.items():
         optional = {f for f, info in type(variant).model_fields.items() if info.default is None}
-        missing += [
-            f"quantize.{name}.{f}" for f in METHOD_FIELDS[variant.method] - variant.model_fields_set - optional
-        ]
+        missing += [f"quantize.{name}.{f}" for f in METHOD_FIELDS[variant.method] - variant.model_fields_set - optional]
     assert missing == []
 
 
