@@ -90,38 +90,42 @@ def _references(model_dir: Path, layout: str, chunks, head_dim: int) -> list[eva
     return found
 
 
-def widen(bytes_at_4: int, block: int) -> int:
-    """The bytes a part stored at 4 bits takes at 8 (codes double; per-block scales stay)."""
-    per_weight_4 = 0.5 + 2.5 / block  # codes, a float16 scale and a 4-bit zero point per block
-    per_weight_8 = 1.0 + 2.0 / block  # codes and a scale (symmetric)
-    return int(bytes_at_4 * per_weight_8 / per_weight_4)
+def bytes_per_weight(bits: int, block: int, zero_point: str) -> float:
+    """What one weight costs as the writer stores it: its code, a float16 scale and (unless
+    symmetric) a zero point per block; float zero points add a row of offsets per block of K."""
+    zero = 0.0 if zero_point == "none" else bits / 8
+    rows = 1 + 1 / block if zero_point == "float" else 1.0
+    return (bits / 8 + (2 + zero) / block) * rows
+
+
+def widen(bytes_at_4: int, block: int, zero_point: str) -> int:
+    """The bytes a part stored at 4 bits takes at 8."""
+    ratio = bytes_per_weight(8, block, zero_point) / bytes_per_weight(4, block, zero_point)
+    return int(bytes_at_4 * ratio)
 
 
 def choose(measure: Measure, cfg: QuantizeConfig, num_layers: int) -> tuple[QuantizeConfig, dict]:
     """cfg with the measured choice of 8-bit parts, and the table behind it."""
-    parts: list[object] = [OUTPUT, *range(num_layers)]
+    # An output layer asked at 8 bits stays there: only what starts at 4 bits is measured.
+    parts: list[object] = [OUTPUT] * (cfg.output_bits == 4) + list(range(num_layers))
+    check_floor_fits(measure.model, cfg)
     reference = _references(measure.model_dir, _layout(measure.model), measure.chunks, measure.head_dim)
     with tempfile.TemporaryDirectory(prefix="ortforge-mixed-") as scratch:
         measured = {}
         for index, part in enumerate(parts):
             measured[part] = _damage(measure, cfg, part, reference, Path(scratch))
             log.info("mixed precision: part %s damage KL %.4g (%d/%d)", part, measured[part][0], index + 1, len(parts))
-    floor = _floor_bytes(measure.model, measured)
+    floor = _floor_bytes(measure.model, cfg, measured)
     rows = [
         {"part": str(part), "kl_at_4_bits": kl, "mb_at_4_bits": size / MB, "extra_mb_at_8_bits": extra / MB}
         for part, (kl, size) in measured.items()
-        for extra in [widen(size, cfg.block_size) - size]
+        for extra in [widen(size, cfg.block_size, _zero_point(cfg, part)) - size]
     ]
     total, chosen = floor, []
     for row in sorted(rows, key=lambda r: r["kl_at_4_bits"] / max(r["extra_mb_at_8_bits"], 1e-9), reverse=True):
         if (total + row["extra_mb_at_8_bits"] * MB) / MB <= cfg.size_budget_mb:
             total += row["extra_mb_at_8_bits"] * MB
             chosen.append(row["part"])
-    if floor / MB > cfg.size_budget_mb:
-        raise StageError(
-            f"even with every part at 4 bits the variant would take about {floor / MB:.0f} MB, over size_budget_mb "
-            f"{cfg.size_budget_mb:g}; raise the budget"
-        )
     blocks = tuple(sorted(int(part) for part in chosen if part != OUTPUT))
     output_bits = 8 if OUTPUT in chosen else cfg.output_bits
     log.info(
@@ -131,11 +135,64 @@ def choose(measure: Measure, cfg: QuantizeConfig, num_layers: int) -> tuple[Quan
     return cfg.model_copy(update={"eight_bit_blocks": blocks, "output_bits": output_bits}), table
 
 
-def _floor_bytes(model, measured: dict) -> int:
-    """The variant's size with every part at 4 bits: the parts plus what stays float (norms, tables)."""
-    quantized = {lin.weight_name for lin in weight_only.linear_layers(model)}
+def _zero_point(cfg: QuantizeConfig, part) -> str:
+    # The vocabulary matrix takes integer zero points: GatherBlockQuantized reads no float ones.
+    if part == OUTPUT:
+        return "none" if cfg.zero_point == "none" else "integer"
+    return cfg.zero_point
+
+
+def lowest_widths_bytes(model, cfg: QuantizeConfig) -> dict[str, float]:
+    """Estimated bytes of every initializer with each quantized matrix at its lowest width (codes,
+    a float16 scale and a zero point per block), the rest float."""
+    parts = _quantized_names(model)
+    head = weight_only.output_layer(model)
+    output = {head.weight_initializer} if head is not None else set()
+    sizes = {}
+    for tensor in model.graph.initializer:
+        count = int(np.prod(tensor.dims))
+        if tensor.name not in parts:
+            sizes[tensor.name] = count * 4.0
+            continue
+        bits = 8 if tensor.name in output and cfg.output_bits == 8 else 4
+        sizes[tensor.name] = count * bytes_per_weight(
+            bits, cfg.block_size, _zero_point(cfg, OUTPUT if tensor.name in output else 0)
+        )
+    sizes["graph"] = float(model.ByteSize() - sum(t.ByteSize() for t in model.graph.initializer))  # nodes, names
+    return sizes
+
+
+def check_floor_fits(model, cfg: QuantizeConfig) -> None:
+    """StageError before any measurement when the variant cannot fit even at its lowest widths."""
+    floor = sum(lowest_widths_bytes(model, cfg).values())
+    if floor / MB > cfg.size_budget_mb:
+        raise StageError(
+            f"even at its lowest widths the variant would take about {floor / MB:.0f} MB, over size_budget_mb "
+            f"{cfg.size_budget_mb:g}; raise the budget"
+        )
+
+
+def _quantized_names(model) -> set[str]:
+    """The initializers a weight-only variant stores as codes: linears, output layer, token embedding."""
+    names = {lin.weight_name for lin in weight_only.linear_layers(model)}
     head, embedding = weight_only.output_layer(model), weight_only.token_embedding(model)
-    quantized |= {head.weight_initializer} if head is not None else set()
-    quantized |= {embedding[1].name} if embedding is not None else set()
-    rest = sum(int(np.prod(t.dims)) * 4 for t in model.graph.initializer if t.name not in quantized)
-    return rest + sum(size for _, size in measured.values())
+    names |= {head.weight_initializer} if head is not None else set()
+    names |= {embedding[1].name} if embedding is not None else set()
+    return names
+
+
+def _floor_bytes(model, cfg: QuantizeConfig, measured: dict) -> float:
+    """The variant's size with every part at its lowest width: the estimate, with the measured
+    parts' own stored bytes in place of theirs."""
+    estimate = lowest_widths_bytes(model, cfg)
+    head = weight_only.output_layer(model)
+    by_part = {OUTPUT: {head.weight_initializer} if head is not None else set()}
+    for linear in weight_only.linear_layers(model):
+        by_part.setdefault(linear.layer, set()).add(linear.weight_name)
+    embedding = weight_only.token_embedding(model)
+    if embedding is not None:
+        by_part[OUTPUT].add(embedding[1].name)
+    replaced = {name for part in measured for name in by_part.get(part, ())}
+    return sum(size for name, size in estimate.items() if name not in replaced) + sum(
+        size for _, size in measured.values()
+    )

@@ -108,6 +108,7 @@ def measure(variant_dir: Path, reference: Reference, cfg: EvalConfig) -> dict:
             decoder, next(iter(reference.texts.values())).ids, cfg.kv_prefill, cfg.kv_steps
         ),
         "sequence_tokens": reference.sequence_tokens,
+        "tokens_scored": first["tokens_scored"],  # per text
         "texts": per_text,
     }
 

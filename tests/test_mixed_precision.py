@@ -1,0 +1,47 @@
+"""Mixed precision chosen by measurement: parts are ranked by their measured KL divergence per extra
+megabyte, raised to 8 bits within the size budget, recorded, and validated as asked."""
+
+from __future__ import annotations
+
+import pytest
+
+from ortforge.manifest import read_manifest
+from tasks import coverage, onnx_io, quantize
+from tasks.files import folder_bytes
+from tasks.params import CalibrationConfig, QuantizeConfig
+from tasks.stage import StageError
+from tests.conftest import REPO
+
+CALIBRATION = CalibrationConfig(text=REPO / "data/calibration/python-docs.txt", samples=2, tokens=32)
+
+
+def budgeted(mb: float) -> QuantizeConfig:
+    return QuantizeConfig(method="weight_only", algorithm="rtn", zero_point="float", output_bits=4, size_budget_mb=mb)
+
+
+def test_parts_raised_to_eight_bits_by_measured_damage_within_the_budget(built, tmp_path):
+    all_four = quantize.run(budgeted(10.0), built["optimized"], built["hf"], tmp_path / "roomy", {}, CALIBRATION)
+    roomy = read_manifest(all_four.out_dir)["mixed_precision"]
+    assert set(roomy["eight_bit"]) == {"output", "0", "1"}  # everything fits in 10 MB
+    floor, everything = roomy["floor_mb"], roomy["estimated_mb"]
+    budget = (floor + everything) / 2  # room for some parts, not all
+    result = quantize.run(budgeted(budget), built["optimized"], built["hf"], tmp_path / "tight", {}, CALIBRATION)
+    manifest = read_manifest(result.out_dir)
+    table = manifest["mixed_precision"]
+    assert 0 < len(table["eight_bit"]) < 3 and table["estimated_mb"] <= budget
+    ratio = {row["part"]: row["kl_at_4_bits"] / row["extra_mb_at_8_bits"] for row in table["parts"]}
+    assert min(ratio[part] for part in table["eight_bit"]) >= max(
+        ratio[part] for part in ratio if part not in table["eight_bit"]
+    )  # the best damage per megabyte went first
+    assert folder_bytes(result.out_dir, "model.onnx*") / 1e6 <= budget * 1.05
+    params = QuantizeConfig.model_construct(**manifest["params"])  # what validate checks against
+    found = coverage.weights(onnx_io.load(result.out_dir, with_weights=False))
+    assert coverage.shortfall(params, found, set()) == (1.0, [])
+    eight = {w.layer for w in found if w.role == "linear" and w.bits == 8}
+    assert eight == {int(part) for part in table["eight_bit"] if part != "output"}
+
+
+def test_a_budget_below_the_lowest_widths_is_refused_before_measuring(built, tmp_path):
+    with pytest.raises(StageError, match="even at its lowest widths the variant would take about"):
+        quantize.run(budgeted(0.01), built["optimized"], built["hf"], tmp_path / "v", {}, CALIBRATION)
+    assert not (tmp_path / "v").exists()
