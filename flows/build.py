@@ -29,6 +29,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.dvc import build_lock, metrics_diff, reproduce
+from flows.preflight import before_build, tidy
 from tasks import paths
 from tasks.params import load_params
 
@@ -83,6 +84,7 @@ def build(root: Path = Path("."), models: list[str] | None = None) -> dict[str, 
     names = models or list(params.models)
     variants = {model: params.variants_of(model) for model in names}
     with build_lock(root, say=logger.info):
+        before_build(root)
         steps = {}
         for model in names:
             steps[f"download@{model}"] = download.submit(root, model)
@@ -97,8 +99,11 @@ def build(root: Path = Path("."), models: list[str] | None = None) -> dict[str, 
             steps[f"bench@{model}"] = bench.submit(root, model, variants[model], wait_for=upstream)
             previous_bench = [steps[f"bench@{model}"]]
             steps[f"report@{model}"] = report.submit(root, model, wait_for=previous_bench)
-        executed = {step: future.result() for step, future in steps.items()}
-        executed["check"] = reproduce(root, [f"report@{model}" for model in names])
+        try:
+            executed = {step: future.result() for step, future in steps.items()}
+            executed["check"] = reproduce(root, [f"report@{model}" for model in names])
+        finally:
+            tidy(root)
     ran = sorted({stage for stages in executed.values() for stage in stages})
     logger.info("stages executed: %s", ", ".join(ran) if ran else "none (everything was up to date)")
     return executed

@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from tasks.lifetime import die_with_parent
+
 STAGE_STARTED = re.compile(r"Running stage '([^']+)'")
 # What DVC prints when another DVC process holds the repository or a stage's outputs.
 DVC_LOCKED = ("is busy, it is being blocked by", "Unable to acquire lock")
@@ -29,11 +31,18 @@ class BuildBusy(RuntimeError):
     pass
 
 
+# The build lock's file descriptor while this process holds it: DVC children inherit it, so the
+# lock is held while any of them runs, also after the build that started them was killed.
+_held_lock_fd: int | None = None
+
+
 @contextlib.contextmanager
 def build_lock(root: Path, wait: bool = True, say: Callable[[str], object] = print) -> Iterator[None]:
     """Hold this repository's build lock: a second build waits for the first (or, with wait=False,
     stops with BuildBusy), instead of racing it for DVC's locks halfway through. The kernel drops
-    the lock when its holder dies, so a killed build never blocks the next one."""
+    the lock when the last process holding it ends: a killed build whose `dvc repro` still runs
+    keeps it until that ends, and a build whose processes all died never blocks the next one."""
+    global _held_lock_fd
     path = Path(root) / BUILD_LOCK
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+", encoding="utf-8") as handle:
@@ -49,9 +58,11 @@ def build_lock(root: Path, wait: bool = True, say: Callable[[str], object] = pri
         handle.truncate()
         handle.write(f"pid {os.getpid()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
         handle.flush()
+        _held_lock_fd = handle.fileno()
         try:
             yield
         finally:
+            _held_lock_fd = None
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
@@ -67,6 +78,8 @@ def dvc(root: Path, *args: str, echo: bool | Callable[[str], object] = True) -> 
         text=True,
         encoding="utf-8",
         errors="replace",
+        pass_fds=(_held_lock_fd,) if _held_lock_fd is not None else (),
+        preexec_fn=die_with_parent,  # a killed build takes its dvc repro (and, through it, the stage) along
     ) as process:
         for line in process.stdout:
             if say:

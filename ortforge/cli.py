@@ -25,12 +25,38 @@ class CliError(Exception):
     """A one-line error for the user."""
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """Bad arguments are an expected failure too: one `error:` line and exit status 2, no usage dump."""
+
+    def error(self, message: str):
+        print(f"error: {self.prog}: {message}; see `{self.prog} --help`", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
 def _utf8_streams() -> None:
     # Prompts, tokens and reports are UTF-8 whatever the locale: under LANG=C (with Python's locale
     # coercion off) stdout would otherwise be ASCII and the first Hangul or emoji would raise.
     for stream in (sys.stdout, sys.stderr):
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(encoding="utf-8", errors="replace")
+
+
+def _stdin_text() -> str:
+    data = sys.stdin.buffer.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise CliError(
+            f"the prompt read from stdin is not UTF-8 (byte 0x{data[error.start]:02x} at offset {error.start}); "
+            f"convert it, e.g. with `iconv -t UTF-8`"
+        ) from None
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive number of tokens; ask for at least 1")
+    return value
 
 
 def _argument_text(value: str) -> str:
@@ -51,17 +77,25 @@ def _models(root: Path, chosen: str | None) -> list[str]:
 
 def cmd_build(args: argparse.Namespace) -> int:
     from flows.dvc import build_lock
+    from flows.preflight import before_build, tidy
     from flows.progress import reproduce_with_progress
 
-    targets = [f"report@{model}" for model in _models(args.root, args.model)] if args.model else None
+    models = _models(args.root, args.model)
+    targets = [f"report@{model}" for model in models] if args.model else None
     with build_lock(args.root, wait=not args.no_wait, say=lambda line: print(line, file=sys.stderr)):
-        ran = reproduce_with_progress(args.root, targets)
+        before_build(args.root)
+        try:
+            ran = reproduce_with_progress(args.root, targets)
+        finally:
+            tidy(args.root)
     print(f"{len(ran)} stage(s) executed" if ran else "everything was up to date; no stage executed")
     return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     from flows.dvc import stale_reasons
+
+    _models(args.root, None)  # the params check, before DVC's templating meets a bad file
 
     reasons = stale_reasons(args.root)
     if not reasons:
@@ -75,14 +109,19 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from flows.dvc import build_lock
+    from flows.preflight import before_build, tidy
     from flows.progress import reproduce_with_progress
 
     models = _models(args.root, args.model)
     with build_lock(args.root, wait=not args.no_wait, say=lambda line: print(line, file=sys.stderr)):
-        for model in models:
-            # Forced: the point is a fresh measurement on this machine, not DVC's cached figures.
-            reproduce_with_progress(args.root, [f"bench@{model}-*"], "--force", "--single-item", "--glob")
-            reproduce_with_progress(args.root, [f"report@{model}"])
+        before_build(args.root)
+        try:
+            for model in models:
+                # Forced: the point is a fresh measurement on this machine, not DVC's cached figures.
+                reproduce_with_progress(args.root, [f"bench@{model}-*"], "--force", "--single-item", "--glob")
+                reproduce_with_progress(args.root, [f"report@{model}"])
+        finally:
+            tidy(args.root)
     return cmd_report(args)
 
 
@@ -113,7 +152,12 @@ def _variant_to_run(root: Path, model: str, variant: str | None) -> Path:
     folder = root / paths.variant_dir(model, variant)
     if not folder.is_dir():
         raise CliError(f"{folder} does not exist; check the variant name or run `ortforge build --model {model}`")
-    check_validated(folder)  # never run an artifact that failed validation or changed since
+    try:
+        check_validated(folder)  # never run an artifact that failed validation or changed since
+    except ValueError as error:
+        raise CliError(
+            f"{error}; run `ortforge build --model {model}` to validate it, or pick a validated variant with --variant"
+        ) from None
     return folder
 
 
@@ -122,7 +166,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     _models(args.root, args.model)
     folder = _variant_to_run(args.root, args.model, args.variant)
-    prompt = sys.stdin.buffer.read().decode("utf-8") if args.prompt == "-" else _argument_text(args.prompt)
+    prompt = _stdin_text() if args.prompt == "-" else _argument_text(args.prompt)
     print(f"[{args.model}/{folder.name}]", file=sys.stderr)
     for piece in TextGenerator(folder, prompt_lookup=args.prompt_lookup).stream(prompt, args.max_new_tokens):
         sys.stdout.write(piece)
@@ -148,7 +192,7 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
 
 
 def parser() -> argparse.ArgumentParser:
-    top = argparse.ArgumentParser(prog="ortforge", description=__doc__.splitlines()[0])
+    top = OneLineParser(prog="ortforge", description=__doc__.splitlines()[0])
     top.add_argument("--root", type=Path, default=Path("."), help="the repository root (default: .)")
     commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -171,7 +215,7 @@ def parser() -> argparse.ArgumentParser:
     sub.add_argument("model", help="a model from params.yaml")
     sub.add_argument("prompt", help="the prompt text, or - to read it from stdin (UTF-8)")
     sub.add_argument("--variant", help="default: the variant the report recommends")
-    sub.add_argument("--max-new-tokens", type=int, default=64)
+    sub.add_argument("--max-new-tokens", type=_positive, default=64, metavar="N")
     sub.add_argument(
         "--prompt-lookup",
         type=int,

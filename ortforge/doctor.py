@@ -7,19 +7,7 @@ import platform
 import shutil
 from pathlib import Path
 
-# The CPU features onnxruntime's int8/int4 kernels choose between, fastest last.
-CPU_FEATURES = ("avx", "fma", "avx2", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "amx_int8")
-
-
-def cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text(encoding="utf-8")
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
+from ortforge.machine import CPU_FEATURES, cpu_flags, cpu_model
 
 
 def tool_lines(root: Path) -> list[str]:
@@ -44,7 +32,7 @@ def report(root: Path) -> list[str]:
     memory = psutil.virtual_memory()
     return [
         f"python: {platform.python_version()} ({platform.machine()})",
-        f"cpu: {platform.processor() or platform.machine()}; features: "
+        f"cpu: {cpu_model()}; features: "
         + ", ".join(f"{name} {'yes' if name in flags else 'no'}" for name in CPU_FEATURES),
         f"threads: {usable} usable of {os.cpu_count()} logical CPUs (physical cores: {psutil.cpu_count(False)})",
         f"memory: {memory.available / 1e9:.1f} GB available of {memory.total / 1e9:.1f} GB",

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import onnxruntime as ort
 
+from ortforge import machine
 from ortforge.names import MODEL_FILE, RUNTIME_SUFFIX
+
+log = logging.getLogger(__name__)
 
 GRAPH_LEVELS = {
     "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
@@ -52,11 +56,22 @@ class SessionSettings:
 
     @classmethod
     def for_artifact(cls, model_dir: Path) -> SessionSettings:
-        """The settings the bench stage measured best for this artifact, or the defaults."""
+        """The settings the bench stage measured best for this artifact, or the defaults: also when
+        they were measured on a CPU with other instruction-set features than this one."""
         path = runtime_config(model_dir)
         if not path.is_file():
             return cls()
-        return cls.from_dict(json.loads(path.read_text(encoding="utf-8"))["session"])
+        recorded = json.loads(path.read_text(encoding="utf-8"))
+        tuned_on, here = recorded.get("machine"), machine.describe()
+        if tuned_on is not None and set(tuned_on["features"]) != set(here["features"]):
+            log.warning(
+                "%s was tuned on a CPU with features %s, this one has %s; using onnxruntime's default settings",
+                path.name,
+                "+".join(tuned_on["features"]) or "none",
+                "+".join(here["features"]) or "none",
+            )
+            return cls()
+        return cls.from_dict(recorded["session"])
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -16,8 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
+from ortforge import machine
 from ortforge.manifest import check_validated
 from ortforge.names import CONTEXT_LENGTH_KEY, MODEL_FILE
+from ortforge.session import SessionSettings
 from tasks import paths
 from tasks.files import atomic_write_json, folder_bytes, megabytes
 from tasks.params import BenchConfig
@@ -78,6 +80,14 @@ def check_fits_context(cfg: BenchConfig, variant_dir: Path) -> None:
         )
 
 
+def runtime_settings(result: dict, cfg: BenchConfig) -> dict:
+    if result["tuning"]:
+        session, source = result["tuning"]["session"], "tasks.tuning"
+    else:
+        session, source = SessionSettings(intra_op_threads=cfg.threads).to_dict(), "bench.tune false: not measured"
+    return {"session": session, "measured_by": source, "machine": result["machine"]}
+
+
 def run(cfg: BenchConfig, variant_dir: Path, hf_dir: Path) -> dict:
     try:
         check_validated(variant_dir)
@@ -104,6 +114,7 @@ def run(cfg: BenchConfig, variant_dir: Path, hf_dir: Path) -> dict:
     result = summarize(runs[ORT], cfg.prompt_tokens, sizes[ORT])
     result["workload"] = workload
     result["tuning"] = tuning
+    result["machine"] = machine.describe()
     if cfg.baseline:
         result["baseline"] = summarize(runs[TORCH], cfg.prompt_tokens, sizes[TORCH])
         result["vs_baseline"] = ratios(result, result["baseline"])
@@ -129,8 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     def body(a):
         p = a.paths
         result = run(a.params.bench, p["variant-dir"], p["hf"])
-        if result["tuning"]:  # the runtime reads these settings by default (SessionSettings.for_artifact)
-            atomic_write_json(p["runtime"], {"session": result["tuning"]["session"], "measured_by": "tasks.tuning"})
+        # The runtime reads these settings by default (SessionSettings.for_artifact) on a machine
+        # with the same CPU features; without tuning they are the ones bench measured with.
+        atomic_write_json(p["runtime"], runtime_settings(result, a.params.bench))
         atomic_write_json(p["report"], result)
 
     return stage_cli("bench", __doc__, flags, body, argv, variant=True)

@@ -140,7 +140,8 @@ def check_attention_windows(model, arch: Architecture) -> None:
 
 def parity(graph_dir: Path, hf_dir: Path, arch: Architecture, graph) -> dict:
     """Prefill then cached steps through onnxruntime against one PyTorch pass over the same tokens."""
-    from ortforge import Decoder, create_session
+    from ortforge.decoder import Decoder
+    from ortforge.session import create_session
     from tasks.torch_decoder import TorchDecoder
 
     window = arch.sliding_window or 0

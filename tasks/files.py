@@ -45,6 +45,17 @@ def remove_abandoned_temporaries(path: Path) -> list[Path]:
     return removed
 
 
+def remove_abandoned_under(root: Path) -> list[Path]:
+    """Temporaries of dead writers anywhere under root: DVC can restore an output from its run
+    cache without running the stage that would have removed them."""
+    removed = []
+    for tmp in sorted(Path(root).rglob(".*.tmp-*")):
+        if tmp.exists():
+            output = tmp.with_name(tmp.name[1:].rsplit(".tmp-", 1)[0])
+            removed += [found for found in remove_abandoned_temporaries(output) if found == tmp]
+    return removed
+
+
 @contextlib.contextmanager
 def atomic_output_dir(out_dir: Path) -> Iterator[Path]:
     """Yield an empty temporary folder; on success it replaces out_dir, on failure it is removed."""

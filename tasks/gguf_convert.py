@@ -75,6 +75,7 @@ def inspect(path: Path, expected_sha256: str | None = None) -> tuple[GGUFInfo, d
 def convert(path: Path, info: GGUFInfo, out_dir: Path) -> dict:
     """Write weights, config and tokenizer of the (inspected) GGUF at path into out_dir; return the
     tokenizer parity check's record."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     tokenizer = gguf_tokenizer.build(info.vocab)
@@ -83,7 +84,7 @@ def convert(path: Path, info: GGUFInfo, out_dir: Path) -> dict:
     )
     log.info("tokenizer equals %s on %d tokens of %s", parity["reference"], parity["tokens"], PARITY_TEXT)
     log.info("dequantizing %s (%s) to float32", path.name, info.architecture)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype="float32")
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     _set_special_ids(model, info.vocab.special_ids)
     model.save_pretrained(out_dir, safe_serialization=True)
     gguf_tokenizer.save(tokenizer, out_dir)

@@ -37,7 +37,8 @@ MEASURE = EvalConfig(window=512, top_k=32)
 
 
 def _decoder(folder: Path, head_dim: int, layout: str):
-    from ortforge import Decoder, create_session
+    from ortforge.decoder import Decoder
+    from ortforge.session import create_session
 
     return Decoder(create_session(folder), head_dim=head_dim, layout=layout)
 

@@ -8,18 +8,36 @@ run (it is cheap); each stage then reads only its own section.
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, ValidationError, model_validator
 
 from tasks.errors import StageError
 from tasks.paths import CALIBRATION_TEXT, EVAL_DIR, EVAL_TEXT, EVAL_TEXTS, PINNED_SOURCE
 
-# Names end up in folder names, DVC stage names (stage@model-variant) and DVC params keys, which
-# are dot paths: a dot in a name would make `models.<name>` point elsewhere.
-Name = Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9_]*(-[a-z0-9_]+)*$", max_length=64)]
+# Numbers and switches as YAML writes them: "32" is a string, not a block size (no coercion).
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict()]  # an int is a float too
+Bool = Annotated[bool, Strict()]
+
+NAME = re.compile(r"^[a-z0-9][a-z0-9_]*(-[a-z0-9_]+)*$")
+
+
+def _check_name(name: str) -> str:
+    # Names end up in folder names, DVC stage names (stage@model-variant) and DVC params keys, which
+    # are dot paths: a dot, a slash or a space in a name would break one of them.
+    if not NAME.match(name) or len(name) > 64:
+        raise ValueError(
+            f"name `{name}` may hold only lowercase letters, digits, `_` and single `-` between them (at most 64 "
+            f"characters): it names folders, DVC stages and params keys"
+        )
+    return name
+
+
+Name = Annotated[str, AfterValidator(_check_name)]
 Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 
 
@@ -104,15 +122,15 @@ class ModelSpec(Strict):
     # auto: onnxruntime-genai's builder where it takes the architecture and its graph matches
     # PyTorch (fused attention, in-place KV cache), optimum's exporter otherwise.
     exporter: Literal["auto", "genai", "optimum"] = "auto"
-    allow_pickle: bool = False  # pickle checkpoints can run arbitrary code when loaded
-    trust_remote_code: bool = False
+    allow_pickle: Bool = False  # pickle checkpoints can run arbitrary code when loaded
+    trust_remote_code: Bool = False
 
 
 # ---- export, optimize ----
 
 
 class ExportConfig(Strict):
-    opset: int = Field(18, ge=14, le=21, description="optimum only; the genai builder picks its own")
+    opset: Int = Field(18, ge=14, le=21, description="optimum only; the genai builder picks its own")
 
 
 class OptimizeConfig(Strict):
@@ -120,7 +138,7 @@ class OptimizeConfig(Strict):
     # gelu/silu) apply to llama-style decoders.
     # none: keep the exported graph (the genai builder's graph is fused already).
     model_type: Literal["none", "gpt2", "gpt_neox", "phi", "qwen3"] = "gpt2"
-    opt_level: int = Field(0, ge=0, le=2)  # 0: fusions only; session graph optimization runs at load
+    opt_level: Int = Field(0, ge=0, le=2)  # 0: fusions only; session graph optimization runs at load
 
 
 # ---- quantize: one entry per variant ----
@@ -148,14 +166,14 @@ class QuantizeConfig(Strict):
     method: Literal["fp32", "fp16", "int8_dynamic", "int8_static", "weight_only"]
     # int8_dynamic and int8_static (onnxruntime's quantize_dynamic / quantize_static, QDQ)
     weight_type: Literal["QInt8", "QUInt8"] = "QUInt8"
-    per_channel: bool = False
-    reduce_range: bool = False
+    per_channel: Bool = False
+    reduce_range: Bool = False
     calibrate: Literal["minmax", "entropy", "percentile"] = "minmax"
     keep_float: tuple[str, ...] = Field((), description="MatMuls whose node name contains one of these stay float")
-    smooth_alpha: float | None = Field(
+    smooth_alpha: Float | None = Field(
         None, ge=0.0, le=1.0, description="SmoothQuant first (tasks/smoothing.py): how much range moves to weights"
     )
-    outlier_ratio: float | None = Field(
+    outlier_ratio: Float | None = Field(
         None, gt=1.0, description="MatMuls whose input has a token this many times the median token's peak stay float"
     )
     # weight_only (MatMulNBits)
@@ -163,15 +181,15 @@ class QuantizeConfig(Strict):
     algorithm: Literal["rtn", "imatrix", "hqq", "gptq"] = Field(
         "rtn", description="linear layers: round-to-nearest, importance-weighted range search, HQQ or GPTQ"
     )
-    block_size: int = Field(32, ge=16, le=256, description="weights per block along K (a power of two)")
+    block_size: Int = Field(32, ge=16, le=256, description="weights per block along K (a power of two)")
     zero_point: Literal["none", "integer", "float"] = Field(
         "float", description="none: symmetric; integer: uint zero points; float: the range exactly (offset rows)"
     )
-    accuracy_level: int = Field(4, ge=0, le=4, description="MatMulNBits compute: 0 float32, 4 int8 activations")
+    accuracy_level: Int = Field(4, ge=0, le=4, description="MatMulNBits compute: 0 float32, 4 int8 activations")
     output_bits: Literal[4, 8, 32] = Field(4, description="the output layer and tied embedding; 32 keeps float")
     output_algorithm: Literal["rtn", "imatrix"] = "rtn"
-    eight_bit_blocks: tuple[int, ...] = Field((), description="decoder blocks kept at 8 bits; -1 is the last")
-    size_budget_mb: float | None = Field(
+    eight_bit_blocks: tuple[Int, ...] = Field((), description="decoder blocks kept at 8 bits; -1 is the last")
+    size_budget_mb: Float | None = Field(
         None, gt=0, description="mixed precision chosen by measurement: raise parts to 8 bits within this size"
     )
 
@@ -207,8 +225,8 @@ class CalibrationConfig(Strict):
     """Text for data-aware quantization (GPTQ, static int8); keep it different from validate's text."""
 
     text: Path = CALIBRATION_TEXT
-    samples: int = Field(8, ge=1)
-    tokens: int = Field(256, ge=16, description="tokens per sample")
+    samples: Int = Field(8, ge=1)
+    tokens: Int = Field(256, ge=16, description="tokens per sample")
 
 
 # ---- validate ----
@@ -217,14 +235,14 @@ class CalibrationConfig(Strict):
 class EvalConfig(Strict):
     # Prose and code: a recipe tuned on one kind of text must hold on another.
     texts: Annotated[tuple[Path, ...], Field(min_length=1)] = EVAL_TEXTS
-    max_tokens: int = Field(2048, ge=32, description="tokens of each text scored; longer than the context: in pieces")
-    window: int = Field(512, ge=16, description="tokens per forward pass; the KV cache carries context")
-    top_k: int = Field(64, ge=1, description="reference probabilities kept per position, for the KL divergence")
-    greedy_prompt_offset: int = Field(100, ge=0, description="where in each text the greedy prompt starts")
-    greedy_prompt_tokens: int = Field(32, ge=1)
-    greedy_steps: int = Field(32, ge=1)
-    kv_prefill: int = Field(16, ge=1, description="prefill length before step-by-step decode")
-    kv_steps: int = Field(16, ge=1)
+    max_tokens: Int = Field(2048, ge=32, description="tokens of each text scored; longer than the context: in pieces")
+    window: Int = Field(512, ge=16, description="tokens per forward pass; the KV cache carries context")
+    top_k: Int = Field(64, ge=1, description="reference probabilities kept per position, for the KL divergence")
+    greedy_prompt_offset: Int = Field(100, ge=0, description="where in each text the greedy prompt starts")
+    greedy_prompt_tokens: Int = Field(32, ge=1)
+    greedy_steps: Int = Field(32, ge=1)
+    kv_prefill: Int = Field(16, ge=1, description="prefill length before step-by-step decode")
+    kv_steps: Int = Field(16, ge=1)
 
     @model_validator(mode="after")
     def _texts_are_tracked(self) -> EvalConfig:
@@ -241,26 +259,26 @@ class Thresholds(Strict):
     """Gates whose scale is the same on every model: ratios, probabilities and shares. Each holds on
     every evaluation text."""
 
-    ppl_ratio: float = Field(ge=1, description="largest allowed perplexity / reference perplexity")
-    kl_divergence: float = Field(gt=0, description="largest mean KL(reference || variant), nats per token")
-    top1_agreement: float = Field(ge=0, le=1, description="smallest share of positions whose argmax is the reference's")
-    greedy_agreement: float = Field(
+    ppl_ratio: Float = Field(ge=1, description="largest allowed perplexity / reference perplexity")
+    kl_divergence: Float = Field(gt=0, description="largest mean KL(reference || variant), nats per token")
+    top1_agreement: Float = Field(ge=0, le=1, description="smallest share of positions whose argmax is the reference's")
+    greedy_agreement: Float = Field(
         ge=0, le=1, description="smallest share of the reference's greedy tokens it predicts, given their prefix"
     )
-    kv_max_prob_diff: float = Field(gt=0, description="largest |p(cached decode) - p(full pass)| of any token")
+    kv_max_prob_diff: Float = Field(gt=0, description="largest |p(cached decode) - p(full pass)| of any token")
     # Logits have a model-dependent scale: reported always, a gate only where a model sets one.
-    max_logit_diff: float | None = Field(None, gt=0, description="largest |logit - reference logit|")
+    max_logit_diff: Float | None = Field(None, gt=0, description="largest |logit - reference logit|")
 
 
 class ThresholdOverrides(Strict):
     """A build's own limits, replacing the variant's shared ones key by key."""
 
-    ppl_ratio: float | None = Field(None, ge=1)
-    kl_divergence: float | None = Field(None, gt=0)
-    top1_agreement: float | None = Field(None, ge=0, le=1)
-    greedy_agreement: float | None = Field(None, ge=0, le=1)
-    kv_max_prob_diff: float | None = Field(None, gt=0)
-    max_logit_diff: float | None = Field(None, gt=0)
+    ppl_ratio: Float | None = Field(None, ge=1)
+    kl_divergence: Float | None = Field(None, gt=0)
+    top1_agreement: Float | None = Field(None, ge=0, le=1)
+    greedy_agreement: Float | None = Field(None, ge=0, le=1)
+    kv_max_prob_diff: Float | None = Field(None, gt=0)
+    max_logit_diff: Float | None = Field(None, gt=0)
 
 
 class ValidateSection(Strict):
@@ -282,14 +300,14 @@ class Build(Strict):
 
 class BenchConfig(Strict):
     text: Path = EVAL_TEXT  # the prompt is its first prompt_tokens tokens
-    prompt_tokens: int = Field(128, ge=1)
-    new_tokens: int = Field(64, ge=2)
-    warmup: int = Field(1, ge=0)
-    repeats: int = Field(3, ge=1)
-    rounds: int = Field(1, ge=1, description="fresh processes per engine, interleaved")
-    threads: int = Field(0, ge=0, description="PyTorch threads, and onnxruntime's when not tuning; 0: default")
-    tune: bool = True  # choose onnxruntime session settings by measurement (tasks/tuning.py)
-    baseline: bool = True  # also time PyTorch fp32 with its KV cache, in the same run
+    prompt_tokens: Int = Field(128, ge=1)
+    new_tokens: Int = Field(64, ge=2)
+    warmup: Int = Field(1, ge=0)
+    repeats: Int = Field(3, ge=1)
+    rounds: Int = Field(1, ge=1, description="fresh processes per engine, interleaved")
+    threads: Int = Field(0, ge=0, description="PyTorch threads, and onnxruntime's when not tuning; 0: default")
+    tune: Bool = True  # choose onnxruntime session settings by measurement (tasks/tuning.py)
+    baseline: Bool = True  # also time PyTorch fp32 with its KV cache, in the same run
 
 
 # ---- report ----
@@ -301,10 +319,17 @@ class ReportConfig(Strict):
     recommend_by: Literal["decode_tokens_per_second", "size_mb", "peak_rss_mb", "first_token_ms"] = (
         "decode_tokens_per_second"
     )
-    max_ppl_ratio: float = Field(1.07, ge=1.0)
+    max_ppl_ratio: Float = Field(1.07, ge=1.0)
 
 
 # ---- the whole file ----
+
+
+REQUIRED_SECTIONS = {
+    "models": "add a model under it",
+    "builds": "add `<model>-<variant>: {model: ..., variant: ...}` for each variant a model should get",
+    "quantize": "add a variant recipe under it (e.g. `fp32: {method: fp32}`)",
+}
 
 
 class Params(Strict):
@@ -318,6 +343,16 @@ class Params(Strict):
     validation: ValidateSection = Field(alias="validate")
     bench: BenchConfig = BenchConfig()
     report: ReportConfig = ReportConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sections_not_empty(cls, data: object) -> object:
+        # DVC iterates over these: an empty one fails deep in its templating, not with the fix.
+        if isinstance(data, dict):
+            for section, fix in REQUIRED_SECTIONS.items():
+                if section in data and not data[section]:
+                    raise ValueError(f"`{section}` is empty; {fix}")
+        return data
 
     @model_validator(mode="after")
     def _every_variant_has_thresholds(self) -> Params:
@@ -377,12 +412,34 @@ class Params(Strict):
         return shared.model_copy(update=overrides.model_dump(exclude_none=True)) if overrides else shared
 
 
+class DuplicateKey(yaml.YAMLError):
+    pass
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML with every mapping's keys distinct: PyYAML keeps the last of two silently."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            first: dict = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                if key in first and key != "<<":
+                    raise DuplicateKey(
+                        f"key `{key}` appears twice, at lines {first[key]} and {key_node.start_mark.line + 1}; keep one"
+                    )
+                first[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
+
+
 def load_params(path: Path | str = "params.yaml") -> Params:
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
     except FileNotFoundError:
         raise StageError(f"params file {path} not found; run from the repository root or pass --params") from None
+    except DuplicateKey as error:
+        raise StageError(f"{path}: {error}") from None
     except yaml.YAMLError as error:
         raise StageError(f"{path} is not valid YAML: {' '.join(str(error).split())}") from None
     try:

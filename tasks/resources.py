@@ -82,13 +82,21 @@ def check_room(stage: str, needs: Needs, input_path: Path, output: Path) -> None
     disk_free = shutil.disk_usage(nearest_existing(output)).free
     if disk_free < disk_needed:
         raise StageError(
-            f"{stage} needs about {disk_needed / GB:.1f} GB free beside {output} ({needs.disk}x the "
-            f"{size / GB:.2f} GB input); {disk_free / GB:.1f} GB free: free disk space, or set {SKIP_ENV}=1"
+            f"{stage} needs about {amount(disk_needed)} free beside {output} ({needs.disk}x the "
+            f"{amount(size)} input); {amount(disk_free)} free: free disk space, or set {SKIP_ENV}=1"
         )
     memory_needed = needs.memory * size
     memory_free = psutil.virtual_memory().available
     if memory_free < memory_needed:
         raise StageError(
-            f"{stage} needs about {memory_needed / GB:.1f} GB of memory ({needs.memory}x the {size / GB:.2f} GB "
-            f"input); {memory_free / GB:.1f} GB available: close other programs, or set {SKIP_ENV}=1"
+            f"{stage} needs about {amount(memory_needed)} of memory ({needs.memory}x the {amount(size)} "
+            f"input); {amount(memory_free)} available: close other programs, or set {SKIP_ENV}=1"
         )
+
+
+def amount(size: float) -> str:
+    """Bytes in the unit that shows them: 0.3 MB is not "0.0 GB"."""
+    for unit, scale in (("GB", GB), ("MB", 1e6), ("KB", 1e3)):
+        if size >= scale:
+            return f"{size / scale:.1f} {unit}"
+    return f"{size:.0f} bytes"

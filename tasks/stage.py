@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tasks.errors import StageError
+from tasks.lifetime import die_with_parent
 
 if TYPE_CHECKING:
     from tasks.params import Params
@@ -60,6 +61,8 @@ def stage_cli(
         shown = _default_path(path_of, "<model>", "<variant>")
         parser.add_argument(f"--{flag}", type=Path, dest=flag.replace("-", "_"), help=f"default: {shown}")
     args = parser.parse_args(argv)
+    if argv is None:  # run as a command (by DVC): end with the process that started it
+        die_with_parent()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         from tasks.params import load_params

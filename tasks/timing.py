@@ -45,7 +45,8 @@ def _load_decoder(engine: str, model_dir: Path, threads: int, session: dict | No
 
         decoder = TorchDecoder(model_dir, threads)
         return decoder, decoder.torch.get_num_threads()
-    from ortforge import Decoder, SessionSettings
+    from ortforge.decoder import Decoder
+    from ortforge.session import SessionSettings
 
     settings = SessionSettings.from_dict(session) if session else SessionSettings(intra_op_threads=threads)
     return Decoder.for_artifact(model_dir, settings), settings.intra_op_threads

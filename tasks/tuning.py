@@ -33,7 +33,8 @@ def dimensions(cores: int) -> dict[str, list]:
 
 
 def workload_seconds(model_dir: Path, settings: dict, prompt: list[int], new_tokens: int, repeats: int) -> float:
-    from ortforge import Decoder, SessionSettings
+    from ortforge.decoder import Decoder
+    from ortforge.session import SessionSettings
     from tasks.timing import timed_generation
 
     decoder = Decoder.for_artifact(model_dir, SessionSettings.from_dict(settings))
@@ -47,7 +48,7 @@ def workload_seconds(model_dir: Path, settings: dict, prompt: list[int], new_tok
 
 def sweep(model_dir: str, prompt: list[int], new_tokens: int, repeats: int = 2) -> dict:
     """Run in a fresh process; returns the best settings and every trial."""
-    from ortforge import SessionSettings
+    from ortforge.session import SessionSettings
 
     cores = os.cpu_count() or 1
     best = SessionSettings(intra_op_threads=cores).to_dict()

@@ -88,7 +88,8 @@ def measure_text(decoder, text: TextReference, cfg: EvalConfig, sequence: int, r
 
 def measure(variant_dir: Path, reference: Reference, cfg: EvalConfig) -> dict:
     """Per text, then the worst over the texts of each gated measure (the figures reports show)."""
-    from ortforge import Decoder, create_session
+    from ortforge.decoder import Decoder
+    from ortforge.session import create_session
 
     decoder = Decoder(create_session(variant_dir))
     per_text = {

@@ -1,8 +1,10 @@
 """The pinned versions of the tools that shape artifacts (versions.yaml), which of them each stage
 uses, and the check that the installed ones match before a stage writes anything.
 
-DVC sees the pins as params: dvc.yaml lists STAGE_TOOLS[stage] for each stage (a contract test
-keeps the two equal), so a pin change reruns exactly the stages that use that tool.
+Which tools a stage uses is read from its code (tasks/imports.py: the distributions its modules
+import and what those require), not written down: dvc.yaml lists the same pins as params of each
+stage (tests/test_contract.py checks they agree), so a pin change reruns exactly the stages whose
+code reaches that tool.
 """
 
 from __future__ import annotations
@@ -12,22 +14,19 @@ from pathlib import Path
 
 import yaml
 
+from tasks import imports
 from tasks.errors import StageError
 
 PINS_FILE = Path("versions.yaml")
-
-STAGE_TOOLS: dict[str, tuple[str, ...]] = {
-    "download": ("torch", "transformers", "gguf", "safetensors", "tokenizers", "huggingface-hub"),
-    "export": ("torch", "transformers", "optimum", "optimum-onnx", "onnx", "onnxruntime", "onnxruntime-genai"),
-    "optimize": ("onnxruntime", "onnx", "transformers"),
-    "reference": ("torch", "transformers", "tokenizers", "numpy"),
-    "quantize": ("onnxruntime", "onnx", "onnx-ir", "numpy", "torch", "tokenizers", "transformers"),
-    "validate": ("onnxruntime", "tokenizers", "numpy"),
-    "bench": ("onnxruntime", "torch", "transformers", "tokenizers", "numpy"),
-    "report": ("matplotlib", "markdown"),
-}
+STAGES = ("download", "export", "optimize", "reference", "quantize", "validate", "bench", "report")
 # The stages whose tools end up in a variant's lineage, as its manifest records them.
 VARIANT_LINEAGE = ("download", "export", "optimize", "quantize")
+
+
+def stage_tools(stage: str, pins: dict[str, str]) -> tuple[str, ...]:
+    """The pinned tools the stage's code imports or needs through them, as versions.yaml spells them."""
+    derived = set(imports.tools(stage, set(pins)))
+    return tuple(tool for tool in pins if imports.normalized(tool) in derived)
 
 
 def installed(tool: str) -> str:
@@ -47,10 +46,7 @@ def load_pins(path: Path = PINS_FILE) -> dict[str, str]:
 def check_installed(stage: str, pins_file: Path = PINS_FILE) -> dict[str, str]:
     """The pinned versions of the stage's tools; StageError when any installed one differs."""
     pins = load_pins(pins_file)
-    tools = STAGE_TOOLS[stage]
-    unpinned = [tool for tool in tools if tool not in pins]
-    if unpinned:
-        raise StageError(f"{pins_file} has no pin for {', '.join(unpinned)}; add one (stage {stage} uses it)")
+    tools = stage_tools(stage, pins)
     wrong = [f"{tool} {installed(tool)} (pinned {pins[tool]})" for tool in tools if installed(tool) != pins[tool]]
     if wrong:
         raise StageError(
@@ -62,4 +58,4 @@ def check_installed(stage: str, pins_file: Path = PINS_FILE) -> dict[str, str]:
 
 def lineage_versions(pins_file: Path = PINS_FILE) -> dict[str, str]:
     pins = load_pins(pins_file)
-    return {tool: pins[tool] for stage in VARIANT_LINEAGE for tool in STAGE_TOOLS[stage]}
+    return {tool: pins[tool] for stage in VARIANT_LINEAGE for tool in stage_tools(stage, pins)}

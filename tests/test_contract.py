@@ -3,26 +3,14 @@ helper a stage's code imports is a DVC dependency of that stage (so editing it r
 
 from __future__ import annotations
 
-import ast
 import importlib
 from pathlib import Path
 
 import pytest
 
-from tasks import paths
+from tasks import imports, paths
+from tasks.versions import STAGES
 from tests.conftest import REPO
-
-STAGES = ("download", "export", "optimize", "reference", "quantize", "validate", "bench", "report")
-# Plumbing that moves values and paths around without shaping any artifact's content.
-INFRASTRUCTURE = {
-    "tasks/__init__.py",
-    "tasks/errors.py",
-    "tasks/params.py",
-    "tasks/stage.py",
-    "tasks/paths.py",
-    "tasks/files.py",
-    "tasks/resources.py",  # preflight checks: they stop a stage, never shape its output
-}
 
 
 def expected_paths(stage: str, model: str, variant: str | None) -> tuple[set[Path], set[Path]]:
@@ -97,59 +85,41 @@ def test_dvc_paths_match_paths_module(dvc_stages):
             assert derived or f" {path.as_posix()}" in stage.cmd, (stage.addressing, path)
 
 
-def module_file(name: str) -> Path | None:
-    for candidate in (REPO / (name.replace(".", "/") + ".py"), REPO / name.replace(".", "/") / "__init__.py"):
-        if candidate.is_file() and name.split(".")[0] in ("tasks", "ortforge"):
-            return candidate
-    return None
+def code_deps(stage) -> set[str]:
+    return {str(dep.def_path) for dep in stage.deps if str(dep.def_path).startswith(imports.PACKAGES)}
 
 
-def local_imports(path: Path) -> set[str]:
-    """Repository files that the module at path imports (at top level or inside functions)."""
-    modules = []
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Import):
-            modules += [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            # `from pkg import submodule` needs only the submodule; `from pkg import name`, the package.
-            for alias in node.names:
-                submodule = f"{node.module}.{alias.name}"
-                modules.append(submodule if module_file(submodule) else node.module)
-    files = (module_file(name) for name in modules)
-    return {f.relative_to(REPO).as_posix() for f in files if f is not None}
-
-
-def import_closure(start: str) -> set[str]:
-    """start and what it imports, transitively, not looking inside the plumbing modules."""
-    seen, todo = set(), [start]
-    while todo:
-        current = todo.pop()
-        if current not in seen:
-            seen.add(current)
-            if current not in INFRASTRUCTURE:
-                todo += local_imports(REPO / current) - seen
-    return seen
-
-
-def test_dvc_deps_cover_every_imported_helper(dvc_stages):
+def test_dvc_code_deps_are_exactly_what_each_stage_imports(dvc_stages):
+    """Every repository module a stage's code imports is a dependency (editing it reruns the stage),
+    and nothing else is: no folder, no module the stage never reaches (editing the CLI reruns nothing)."""
     for stage in dvc_stages:
         name = split_address(stage)[0]
-        declared = [str(dep.def_path) for dep in stage.deps]
-        needed = import_closure(f"tasks/{name}.py") - INFRASTRUCTURE
-        uncovered = [f for f in needed if not any(f == d or f.startswith(d.rstrip("/") + "/") for d in declared)]
-        assert not uncovered, f"{stage.addressing} imports {sorted(uncovered)} but dvc.yaml does not list them as deps"
+        assert code_deps(stage) == imports.stage_code(name), stage.addressing
 
 
-def test_dvc_params_pin_exactly_the_tools_each_stage_uses(dvc_stages):
-    from tasks.versions import STAGE_TOOLS, load_pins
+def test_dvc_params_pin_exactly_the_tools_each_stage_reaches(dvc_stages):
+    from tasks.versions import load_pins, stage_tools
 
     pins = load_pins(REPO / "versions.yaml")
     for stage in dvc_stages:
         name = split_address(stage)[0]
         tracked = [dep for dep in stage.deps if str(dep.def_path) == "versions.yaml"]
         assert len(tracked) == 1, stage.addressing
-        assert sorted(tracked[0].params) == sorted(STAGE_TOOLS[name]), stage.addressing
-        assert set(STAGE_TOOLS[name]) <= set(pins)
+        assert sorted(tracked[0].params) == sorted(stage_tools(name, pins)), stage.addressing
+
+
+def test_tools_are_read_from_the_code(tmp_path):
+    """A stage that starts importing a pinned tool gains it, with what the tool requires."""
+    import shutil
+
+    shutil.copytree(REPO / "tasks", tmp_path / "tasks")
+    shutil.copytree(REPO / "ortforge", tmp_path / "ortforge")
+    pins = {"matplotlib", "markdown", "numpy", "onnxruntime-genai", "onnxruntime"}
+    before = imports.tools("report", pins, tmp_path)
+    report = tmp_path / "tasks" / "report.py"
+    report.write_text(report.read_text() + "\n\ndef _uses():\n    import onnxruntime_genai\n")
+    after = imports.tools("report", pins, tmp_path)
+    assert set(after) - set(before) >= {"onnxruntime-genai"}
 
 
 def test_flow_targets_name_real_stages(dvc_stages):

@@ -61,6 +61,16 @@ def test_tool_upgrade_invalidates_exactly_the_stages_using_it(project):
     )
 
 
+def test_genai_builder_upgrade_makes_exactly_export_and_what_follows_it_stale(project):
+    from flows.dvc import planned_stages
+
+    dvc_repro(project)
+    set_param(project, ["onnxruntime-genai"], "9.9.9", file="versions.yaml")
+    assert set(json.loads(dvc(project, "status", "--json").stdout)) == {"export@tiny"}
+    downstream = ALL_STAGES - {"download@tiny", "reference@tiny"}
+    assert set(planned_stages(project)) == downstream  # what `dvc repro` would run, without running it
+
+
 def test_dvc_repro_stops_on_failed_gate_and_names_it(project):
     set_param(project, ["validate", "thresholds", "int4", "kl_divergence"], 1e-9)
     result = subprocess.run([sys.executable, "-m", "dvc", "repro"], cwd=project, capture_output=True, text=True)

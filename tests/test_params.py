@@ -79,9 +79,48 @@ BAD_PARAMS = [
     ),
     (
         lambda p: p["models"].update({"Bad Name": p["models"]["tiny"]}),
-        "models.Bad Name.[key]: String should match pattern",
+        "models.Bad Name.[key]: name `Bad Name` may hold only lowercase letters, digits, `_` and single `-`",
+    ),
+    (lambda p: p.update(quantize=None), "`quantize` is empty; add a variant recipe under it"),
+    (lambda p: p.update(quantize={}), "`quantize` is empty; add a variant recipe under it"),
+    (lambda p: p.update(models={}), "`models` is empty; add a model under it"),
+    (lambda p: p.update(builds=None), "`builds` is empty; add `<model>-<variant>"),
+    (
+        lambda p: p["quantize"].update({"int 4": p["quantize"]["int4"]}),
+        "quantize.int 4.[key]: name `int 4` may hold only lowercase letters",
+    ),
+    (
+        lambda p: p["quantize"].update({"int4/fast": p["quantize"]["int4"]}),
+        "quantize.int4/fast.[key]: name `int4/fast` may hold only lowercase letters",
+    ),
+    (
+        lambda p: p["models"].update({"qwen2.5": p["models"]["tiny"]}),
+        "models.qwen2.5.[key]: name `qwen2.5` may hold only",
+    ),
+    (
+        lambda p: p["quantize"]["int4"].update(block_size="32"),
+        "quantize.int4.block_size: Input should be a valid integer",
+    ),
+    (lambda p: p["bench"].update(tune="yes"), "bench.tune: Input should be a valid boolean"),
+    (lambda p: p["report"].update(max_ppl_ratio="1.07"), "report.max_ppl_ratio: Input should be a valid number"),
+    (
+        lambda p: p["builds"].update({"tiny-int9": {"model": "tiny", "variant": "int9"}}),
+        "builds.tiny-int9: variant `int9` is not in `quantize` (fp32, int8, int4)",
+    ),
+    (
+        lambda p: p["builds"].update({"tiny-x": {"model": "tiny", "variant": "int4"}}),
+        "builds.tiny-x: the key must be `tiny-int4` (model-variant)",
     ),
 ]
+
+
+def test_duplicate_yaml_key_names_the_key_and_both_lines(tmp_path):
+    path = write_params(tmp_path, TINY_PARAMS)
+    text = path.read_text().replace("quantize:\n", "quantize:\n  fp32:\n    method: fp32\n", 1)
+    path.write_text(text)
+    line = text.splitlines().index("  fp32:", text.splitlines().index("quantize:")) + 1
+    with pytest.raises(StageError, match=rf"key `fp32` appears twice, at lines {line} and \d+; keep one"):
+        load_params(path)
 
 
 @pytest.mark.parametrize("mutate, message", BAD_PARAMS)

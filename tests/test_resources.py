@@ -31,14 +31,16 @@ def test_stage_stops_when_disk_is_short(built, stage_dir, monkeypatch, capsys):
     assert run_export(built, stage_dir / "out" / "onnx") == 2
     error = capsys.readouterr().err.strip()
     assert error.startswith("error: export needs about") and "free disk space, or set" in error
-    assert "1000" not in error and "0.0 GB free" in error
+    # The tiny model's figures in units that show them (KB/MB), not "0.0 GB"; 1000 bytes free is 1.0 KB.
+    assert "0.0 GB" not in error and "1.0 KB free" in error and " MB" in error
     assert not (stage_dir / "out").exists()
 
 
 def test_stage_stops_when_memory_is_short(built, stage_dir, monkeypatch, capsys):
     monkeypatch.setattr(resources.psutil, "virtual_memory", lambda: Memory(10**10, 1000))
     assert run_export(built, stage_dir / "out" / "onnx") == 2
-    assert "GB of memory" in capsys.readouterr().err
+    error = capsys.readouterr().err
+    assert "MB of memory" in error and "1.0 KB available" in error
     assert not (stage_dir / "out").exists()
 
 
@@ -54,7 +56,14 @@ def test_estimate_scales_with_input_and_can_be_overridden(built, stage_dir, monk
 
 
 def test_every_heavy_stage_has_an_estimate():
-    from tests.test_contract import STAGES
+    from tasks.versions import STAGES
 
     # download checks its source itself (its input is a params entry); report reads small JSON.
     assert set(resources.STAGE_NEEDS) == set(STAGES) - {"download", "report"}
+
+
+@pytest.mark.parametrize(
+    "size, shown", [(0, "0 bytes"), (999, "999 bytes"), (2500, "2.5 KB"), (3.2e8, "320.0 MB"), (4.5e9, "4.5 GB")]
+)
+def test_amount_picks_the_unit_that_shows_the_number(size, shown):
+    assert resources.amount(size) == shown

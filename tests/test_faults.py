@@ -1,0 +1,151 @@
+"""Faults around a build: measurements kept in git survive a failed run, an unwritable output stops
+`ortforge build` before DVC deletes anything, dead writers' temporaries go whatever DVC restores,
+a killed build's `dvc repro` keeps the lock, settings tuned on another CPU are not used, and
+bench without tuning still writes the settings it measured with."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from flows.dvc import BUILD_LOCK
+from ortforge.session import SessionSettings, runtime_config
+from tests.conftest import dvc, fresh_clone, set_param, tiny_params, write_params
+
+MEASURED = ("artifacts/tiny/variants/int4.runtime.json", "reports/tiny/variants/int4/bench.json")
+
+
+def ortforge(project, *args: str, **options) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "ortforge.cli", "--root", str(project), *args]
+    return subprocess.run(command, capture_output=True, text=True, **options)
+
+
+@pytest.fixture
+def built_clone(pushed, tmp_path):
+    """A fresh clone of the built tiny project with its artifacts pulled: nothing to rebuild."""
+    clone = fresh_clone(pushed, f"clone-{tmp_path.name}")
+    dvc(clone, "pull")
+    return clone
+
+
+def test_bench_without_tuning_writes_the_settings_it_used(built, params, tmp_path):
+    from tasks import bench, validate
+
+    variant = tmp_path / "int4"
+    shutil.copytree(built["int4"], variant)
+    section = params.validation
+    validate.run(section.eval, section.thresholds["int4"], variant, built["reference"], tmp_path / "v.json", "int4")
+    untuned = tiny_params(built["hf"])
+    untuned["bench"] |= {"tune": False, "baseline": False}
+    write_params(tmp_path, untuned)
+    runtime = runtime_config(variant)
+    argv = ["--model", "tiny", "--variant", "int4", "--variant-dir", str(variant), "--hf", str(built["hf"])]
+    argv += ["--report", str(tmp_path / "bench.json"), "--runtime", str(runtime)]
+    argv += ["--params", str(tmp_path / "params.yaml")]
+    assert bench.main(argv) == 0
+    written = json.loads(runtime.read_text())
+    assert written["measured_by"] == "bench.tune false: not measured" and written["machine"]["features"] is not None
+    assert SessionSettings.for_artifact(variant) == SessionSettings.from_dict(written["session"])
+
+
+def test_runtime_ignores_settings_tuned_on_a_cpu_with_other_features(built, tmp_path, caplog):
+    variant = tmp_path / "int4"
+    shutil.copytree(built["int4"], variant)
+    tuned = {"session": SessionSettings(intra_op_threads=1, graph_level="basic").to_dict()}
+    runtime_config(variant).write_text(json.dumps(tuned | {"machine": {"cpu": "elsewhere", "features": ["amx_int8"]}}))
+    with caplog.at_level(logging.WARNING, logger="ortforge.session"):
+        assert SessionSettings.for_artifact(variant) == SessionSettings()
+    [record] = caplog.records
+    assert "was tuned on a CPU with features amx_int8" in record.getMessage() and "\n" not in record.getMessage()
+    runtime_config(variant).write_text(json.dumps(tuned))  # no machine recorded: trusted as before
+    assert SessionSettings.for_artifact(variant).graph_level == "basic"
+
+
+@pytest.mark.e2e
+def test_a_failed_bench_keeps_the_measurements_in_git(built_clone):
+    before = {path: (built_clone / path).read_text() for path in MEASURED}
+    set_param(built_clone, ["bench", "prompt_tokens"], 100_000)  # more than the bench text holds
+    result = dvc(built_clone, "repro", check=False)
+    assert result.returncode != 0 and "fewer than bench.prompt_tokens 100000" in result.stdout + result.stderr
+    assert {path: (built_clone / path).read_text() for path in MEASURED} == before
+
+
+@pytest.mark.e2e
+def test_build_refuses_an_unwritable_output_before_dvc_deletes_anything(built_clone):
+    stamp = built_clone / "artifacts/tiny/variants/int4.valid.json"
+    reports = built_clone / "reports/tiny/variants/int8"
+    shutil.rmtree(reports)
+    reports.write_text("a file where a folder of outputs belongs\n")
+    set_param(built_clone, ["quantize", "int4", "block_size"], 16)  # int4's stages must run again
+    result = ortforge(built_clone, "build")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith("error: cannot write ")
+    assert "reports/tiny/variants/int8 is a file, not a folder" in result.stderr
+    assert stamp.is_file() and all((built_clone / path).is_file() for path in MEASURED)
+
+
+@pytest.mark.e2e
+def test_build_removes_dead_writers_temporaries_even_when_nothing_runs(built_clone):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a pid that no longer runs
+    abandoned = built_clone / f"artifacts/tiny/variants/.int4.tmp-{dead.pid}-0123abcd"
+    (abandoned / "model.onnx").parent.mkdir(parents=True)
+    (abandoned / "model.onnx").write_bytes(b"half")
+    result = ortforge(built_clone, "build")
+    assert result.returncode == 0 and "no stage executed" in result.stdout
+    assert not abandoned.exists()
+
+
+@pytest.mark.e2e
+def test_a_killed_build_takes_its_dvc_repro_and_stage_along(built_clone):
+    set_param(built_clone, ["quantize", "int4", "block_size"], 16)  # work for `dvc repro` to do
+    command = [sys.executable, "-m", "ortforge.cli", "--root", str(built_clone), "build"]
+    build = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    repro = wait_for_child(build.pid, b"dvc repro")
+    stage = wait_for_child(repro, b"tasks.")
+    os.kill(build.pid, signal.SIGKILL)
+    build.wait()
+    wait_gone(repro)
+    wait_gone(stage)
+    with open(built_clone / BUILD_LOCK, "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)  # nobody holds the lock any more
+        fcntl.flock(handle, fcntl.LOCK_UN)
+    again = ortforge(built_clone, "build")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "Data and pipelines are up to date" in dvc(built_clone, "status").stdout
+
+
+def wait_for_child(parent: int, marker: bytes) -> int:
+    """The pid of parent's child whose command line holds marker (not a dry run)."""
+    for _ in range(1200):
+        found = subprocess.run(["pgrep", "-P", str(parent)], capture_output=True, text=True).stdout.split()
+        for pid in found:
+            try:
+                cmdline = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ")
+            except OSError:
+                continue
+            if marker in cmdline and b"--dry" not in cmdline:
+                return int(pid)
+        time.sleep(0.05)
+    raise AssertionError(f"{parent} never started {marker!r}")
+
+
+def wait_gone(pid: int) -> None:
+    for _ in range(200):
+        try:
+            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return
+        if state == "Z":
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"process {pid} outlived the build that started it")
