@@ -20,6 +20,7 @@ remote. With no PREFECT_API_URL a temporary local Prefect server starts.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.dvc import build_lock, metrics_diff, reproduce
-from flows.preflight import before_build, tidy
+from flows.preflight import before_build, measurements_kept, tidy
 from tasks import paths
 from tasks.params import load_params
 
@@ -83,8 +84,10 @@ def build(root: Path = Path("."), models: list[str] | None = None) -> dict[str, 
     params = load_params(root / paths.PARAMS)
     names = models or list(params.models)
     variants = {model: params.variants_of(model) for model in names}
-    with build_lock(root, say=logger.info):
+    with build_lock(root, say=logger.info), contextlib.ExitStack() as cleanup:
         before_build(root)
+        cleanup.callback(tidy, root)
+        cleanup.enter_context(measurements_kept(root))
         steps = {}
         for model in names:
             steps[f"download@{model}"] = download.submit(root, model)
@@ -99,11 +102,8 @@ def build(root: Path = Path("."), models: list[str] | None = None) -> dict[str, 
             steps[f"bench@{model}"] = bench.submit(root, model, variants[model], wait_for=upstream)
             previous_bench = [steps[f"bench@{model}"]]
             steps[f"report@{model}"] = report.submit(root, model, wait_for=previous_bench)
-        try:
-            executed = {step: future.result() for step, future in steps.items()}
-            executed["check"] = reproduce(root, [f"report@{model}" for model in names])
-        finally:
-            tidy(root)
+        executed = {step: future.result() for step, future in steps.items()}
+        executed["check"] = reproduce(root, [f"report@{model}" for model in names])
     ran = sorted({stage for stages in executed.values() for stage in stages})
     logger.info("stages executed: %s", ", ".join(ran) if ran else "none (everything was up to date)")
     return executed

@@ -1,11 +1,16 @@
 """What a build checks before DVC starts, and tidies after: the params are valid (one line naming
 the key and the fix, where DVC's own templating would fail deep inside), every output can be
 written (DVC deletes a stage's outputs before running it, so an unwritable one would cost them),
-and no dead writer's temporary is left beside an output (DVC may restore an output from its run
-cache without running the stage that would remove it)."""
+no dead writer's temporary is left beside an output (DVC may restore an output from its run cache
+without running the stage that would remove it), and the measurements kept in git that a failed
+stage lost come back."""
 
 from __future__ import annotations
 
+import contextlib
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from tasks import paths
@@ -14,11 +19,31 @@ from tasks.params import load_params
 from tasks.resources import check_writable
 
 
-def output_paths(root: Path) -> list[Path]:
+def output_paths(root: Path, kept_in_git: bool = False) -> list[Path]:
+    """Every stage's outputs (or only those DVC does not cache: the measurements kept in git)."""
     from dvc.repo import Repo
 
     with Repo(str(root)) as repo:
-        return sorted({Path(str(out.fs_path)) for stage in repo.index.stages for out in stage.outs})
+        outs = [out for stage in repo.index.stages for out in stage.outs if not (kept_in_git and out.use_cache)]
+        return sorted({Path(str(out.fs_path)) for out in outs})
+
+
+@contextlib.contextmanager
+def measurements_kept(root: Path) -> Iterator[None]:
+    """On a failed build, put back the git-kept outputs DVC deleted and no stage wrote again."""
+    root = Path(root).resolve()
+    kept = [path for path in output_paths(root, kept_in_git=True) if path.is_file()]
+    with tempfile.TemporaryDirectory(prefix="ortforge-kept-") as scratch:
+        for index, path in enumerate(kept):
+            shutil.copy2(path, Path(scratch) / str(index))
+        try:
+            yield
+        except BaseException:
+            for index, path in enumerate(kept):
+                if not path.exists():
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(Path(scratch) / str(index), path)
+            raise
 
 
 def tidy(root: Path) -> list[Path]:

@@ -11,7 +11,7 @@ _EXPORTS = {
     "KVCache": "ortforge.decoder",
     "IncrementalDetokenizer": "ortforge.generate",
     "TextGenerator": "ortforge.generate",
-    "greedy_tokens": "ortforge.generate",
+    "greedy_tokens": "ortforge.greedy",
     "check_validated": "ortforge.manifest",
     "SessionSettings": "ortforge.session",
     "create_session": "ortforge.session",

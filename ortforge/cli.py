@@ -77,7 +77,7 @@ def _models(root: Path, chosen: str | None) -> list[str]:
 
 def cmd_build(args: argparse.Namespace) -> int:
     from flows.dvc import build_lock
-    from flows.preflight import before_build, tidy
+    from flows.preflight import before_build, measurements_kept, tidy
     from flows.progress import reproduce_with_progress
 
     models = _models(args.root, args.model)
@@ -85,7 +85,8 @@ def cmd_build(args: argparse.Namespace) -> int:
     with build_lock(args.root, wait=not args.no_wait, say=lambda line: print(line, file=sys.stderr)):
         before_build(args.root)
         try:
-            ran = reproduce_with_progress(args.root, targets)
+            with measurements_kept(args.root):
+                ran = reproduce_with_progress(args.root, targets)
         finally:
             tidy(args.root)
     print(f"{len(ran)} stage(s) executed" if ran else "everything was up to date; no stage executed")
@@ -109,17 +110,18 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from flows.dvc import build_lock
-    from flows.preflight import before_build, tidy
+    from flows.preflight import before_build, measurements_kept, tidy
     from flows.progress import reproduce_with_progress
 
     models = _models(args.root, args.model)
     with build_lock(args.root, wait=not args.no_wait, say=lambda line: print(line, file=sys.stderr)):
         before_build(args.root)
         try:
-            for model in models:
-                # Forced: the point is a fresh measurement on this machine, not DVC's cached figures.
-                reproduce_with_progress(args.root, [f"bench@{model}-*"], "--force", "--single-item", "--glob")
-                reproduce_with_progress(args.root, [f"report@{model}"])
+            with measurements_kept(args.root):
+                for model in models:
+                    # Forced: the point is a fresh measurement on this machine, not DVC's cached figures.
+                    reproduce_with_progress(args.root, [f"bench@{model}-*"], "--force", "--single-item", "--glob")
+                    reproduce_with_progress(args.root, [f"report@{model}"])
         finally:
             tidy(args.root)
     return cmd_report(args)

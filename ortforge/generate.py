@@ -8,38 +8,15 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 from tokenizers import Tokenizer
 
 from ortforge.decoder import NOT_PICKLABLE, Decoder
-from ortforge.lookup import lookup_greedy_tokens
+from ortforge.greedy import greedy_tokens
 from ortforge.names import GENERATION_CONFIG_FILE
 from ortforge.session import SessionSettings, create_session
-
-
-def greedy_tokens(
-    decoder: Decoder,
-    prompt_ids: list[int],
-    max_new_tokens: int,
-    stop_ids: Iterable[int] = (),
-    prompt_lookup: int = 0,
-) -> Iterator[int]:
-    """Yield up to max_new_tokens argmax tokens; one prefill pass, then one step per token, or with
-    prompt_lookup > 0 up to that many looked-up draft tokens checked per step (ortforge.lookup)."""
-    if prompt_lookup > 0:
-        yield from lookup_greedy_tokens(decoder, prompt_ids, max_new_tokens, stop_ids, prompt_lookup)
-        return
-    stop = set(stop_ids)
-    logits, cache = decoder.forward(prompt_ids, decoder.empty_cache(), last_only=True)
-    for produced in range(1, max_new_tokens + 1):
-        token = int(np.argmax(logits[-1]))
-        yield token
-        if token in stop or produced == max_new_tokens:
-            return
-        logits, cache = decoder.forward([token], cache, last_only=True)
 
 
 class IncrementalDetokenizer:

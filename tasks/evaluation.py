@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ortforge.generate import greedy_tokens
+from ortforge.greedy import greedy_tokens
 from tasks.errors import StageError
 from tasks.files import atomic_write_json, read_json
 from tasks.params import EvalConfig

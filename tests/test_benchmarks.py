@@ -23,7 +23,7 @@ def specs(built, built_optimum):
 
 
 def test_engines_agree_on_greedy_tokens(specs):
-    from ortforge.generate import greedy_tokens
+    from ortforge.greedy import greedy_tokens
 
     tokens = {name: list(greedy_tokens(engines._decoder(spec), PROMPT, 6)) for name, spec in specs.items()}
     assert len({tuple(t) for t in tokens.values()}) == 1, tokens

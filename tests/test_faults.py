@@ -21,7 +21,8 @@ from flows.dvc import BUILD_LOCK
 from ortforge.session import SessionSettings, runtime_config
 from tests.conftest import dvc, fresh_clone, set_param, tiny_params, write_params
 
-MEASURED = ("artifacts/tiny/variants/int4.runtime.json", "reports/tiny/variants/int4/bench.json")
+# bench@tiny-fp32 runs first; its measurements are what a failing run would delete.
+MEASURED = ("artifacts/tiny/variants/fp32.runtime.json", "reports/tiny/variants/fp32/bench.json")
 
 
 def ortforge(project, *args: str, **options) -> subprocess.CompletedProcess:
@@ -73,10 +74,25 @@ def test_runtime_ignores_settings_tuned_on_a_cpu_with_other_features(built, tmp_
 @pytest.mark.e2e
 def test_a_failed_bench_keeps_the_measurements_in_git(built_clone):
     before = {path: (built_clone / path).read_text() for path in MEASURED}
-    set_param(built_clone, ["bench", "prompt_tokens"], 100_000)  # more than the bench text holds
+    set_param(built_clone, ["bench", "prompt_tokens"], 100_000)  # past the model's context
     result = dvc(built_clone, "repro", check=False)
-    assert result.returncode != 0 and "fewer than bench.prompt_tokens 100000" in result.stdout + result.stderr
-    assert {path: (built_clone / path).read_text() for path in MEASURED} == before
+    assert result.returncode != 0 and "exceed the model's context" in result.stdout + result.stderr
+    assert {path: (built_clone / path).read_text() for path in MEASURED} == before  # they persist
+
+
+@pytest.mark.e2e
+def test_git_kept_outputs_a_failed_build_lost_come_back(built_clone):
+    from flows.preflight import measurements_kept
+
+    report = built_clone / "reports/tiny/variants/int4/validate.json"  # beside a cached output: no persist
+    before = report.read_text()
+    with pytest.raises(RuntimeError), measurements_kept(built_clone):
+        report.unlink()  # what DVC does before running validate@tiny-int4
+        raise RuntimeError("the stage died before writing its report")
+    assert report.read_text() == before
+    with measurements_kept(built_clone):  # a stage that wrote its own report keeps it
+        report.write_text('{"passed": false}\n')
+    assert report.read_text() == '{"passed": false}\n'
 
 
 @pytest.mark.e2e
