@@ -59,6 +59,8 @@ class TextGenerator:
         self.prompt_lookup = prompt_lookup
         self.settings = settings or SessionSettings.for_artifact(model_dir)
         self.session = create_session(model_dir, self.settings)
+        if not (model_dir / "tokenizer.json").is_file():
+            raise ValueError(f"{model_dir} has no tokenizer.json; an artifact folder carries its model's tokenizer")
         self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         self.stop_ids = _eos_ids(model_dir / GENERATION_CONFIG_FILE)
         self._per_thread = threading.local()

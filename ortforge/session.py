@@ -98,6 +98,8 @@ def runtime_config(model_dir: Path) -> Path:
 def create_session(model_dir: Path, settings: SessionSettings | None = None) -> ort.InferenceSession:
     """A CPU session for the artifact in model_dir; ValueError if its weights point outside it."""
     model_dir = Path(model_dir)
+    if not (model_dir / MODEL_FILE).is_file():
+        raise ValueError(f"{model_dir} has no {MODEL_FILE}; point at an artifact folder (artifacts/<m>/variants/<v>)")
     settings = settings or SessionSettings.for_artifact(model_dir)
     try:
         return ort.InferenceSession(

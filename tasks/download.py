@@ -140,6 +140,12 @@ def resolve_gguf(source: GGUFSource | GGUFPackageSource) -> Path:
     else:
         path = source.path / source.file if source.file else source.path
         where = "params.yaml"
+    if path.is_dir():
+        found = sorted(p.name for p in path.glob("*.gguf"))
+        raise StageError(
+            f"GGUF source {path} is a folder (holding {', '.join(found) or 'no .gguf file'}); name the file with "
+            f"source.file"
+        )
     if not path.is_file():
         raise StageError(f"GGUF file {path} (from {where}) does not exist; fix the model's source path")
     return path
@@ -218,7 +224,10 @@ def copy_allowed(folder: Path, dest: Path, patterns: tuple[str, ...]) -> None:
 
 def ensure_safetensors(folder: Path, spec: ModelSpec) -> None:
     """Check the safetensors weights, or convert opted-in pickle weights to safetensors."""
-    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise StageError(f"the source's config.json is not valid JSON ({error}); fix or re-download it") from None
     if config.get("auto_map") and not spec.trust_remote_code:
         raise StageError(
             f"config.json asks for remote code ({', '.join(config['auto_map'])}); it is not run unless "

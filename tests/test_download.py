@@ -168,6 +168,18 @@ def test_run_refuses_a_source_without_a_tokenizer(tiny_hf, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def with_config_text(tiny_hf: Path, dest: Path, text: str) -> Path:
+    shutil.copytree(tiny_hf, dest)
+    (dest / "config.json").write_text(text)
+    return dest
+
+
+def folder_of(gguf: Path, dest: Path) -> Path:
+    dest.mkdir()
+    shutil.copy(gguf, dest / gguf.name)
+    return dest
+
+
 def truncated(path: Path, dest: Path, keep: float) -> Path:
     data = path.read_bytes()
     dest.write_bytes(data[: int(len(data) * keep)])
@@ -257,6 +269,16 @@ BAD_SOURCES = [
         "safetensors header claiming 1 TiB",
         lambda h, g, t: dict(kind="local", path=str(with_oversized_safetensors_header(h, t / "o"))),
         r"has a corrupt or truncated header \(claims 1099511627776 bytes",
+    ),
+    (
+        "config.json that is not JSON",
+        lambda h, g, t: dict(kind="local", path=str(with_config_text(h, t / "c", "{not json"))),
+        "the source's config.json is not valid JSON",
+    ),
+    (
+        "gguf folder without file",
+        lambda h, g, t: dict(kind="gguf", path=str(folder_of(g, t / "ggufs"))),
+        r"GGUF source .*ggufs is a folder \(holding tiny.gguf\); name the file with source.file",
     ),
     (
         "truncated safetensors",

@@ -157,3 +157,15 @@ def test_shared_cache_matches_chained_cache_past_its_first_capacity(built):
     in_place = stepped(shared)
     np.testing.assert_allclose(in_place, stepped(chained), atol=1e-4)
     np.testing.assert_allclose(in_place, full_pass_logits(chained, ids)[prompt - 1 :], atol=1e-3)
+
+
+def test_runtime_refuses_a_folder_that_is_not_an_artifact_in_one_line(built, tmp_path):
+    import shutil
+
+    from ortforge import TextGenerator
+
+    with pytest.raises(ValueError, match="has no model.onnx; point at an artifact folder"):
+        TextGenerator(tmp_path)
+    shutil.copytree(built["int4"], tmp_path / "v", ignore=shutil.ignore_patterns("tokenizer.json"))
+    with pytest.raises(ValueError, match="has no tokenizer.json"):
+        TextGenerator(tmp_path / "v")
