@@ -52,7 +52,7 @@ class RecomputeDecoder:
     """PyTorch without its KV cache: every token runs the whole sequence again."""
 
     def __init__(self, hf_dir: Path):
-        from tasks.torch_decoder import TorchDecoder
+        from tasks.evaluation.torch_decoder import TorchDecoder
 
         self.inner = TorchDecoder(hf_dir)
 
@@ -89,7 +89,7 @@ def _generate_with_lookup(decoder, prompt: list[int], new_tokens: int, draft_tok
     tokens gives each of them 1/k of its time (the tokens arrive together); the time between runs
     (lookup, argmax) goes to the run after it, so the per-token times add up to the decode time.
     Appends the number of decode runs (prefill excluded) to decode_runs."""
-    from ortforge.generate import greedy_tokens
+    from ortforge.greedy import greedy_tokens
 
     timed = TimedRuns(decoder)
     start = time.perf_counter()
@@ -111,7 +111,7 @@ def _decoder(spec: dict):
 
     kind, path = spec["kind"], Path(spec["path"])
     if kind == "torch-kv":
-        from tasks.torch_decoder import TorchDecoder
+        from tasks.evaluation.torch_decoder import TorchDecoder
 
         return TorchDecoder(path)
     if kind == "torch-nokv":
@@ -126,7 +126,7 @@ def _generate(decoder, prompt: list[int], new_tokens: int, sample_steps: int | N
     """(first-token seconds, per-step seconds). With sample_steps, only that many evenly spaced
     steps are run (for decoders whose every step recomputes everything) and the rest are
     interpolated linearly in sequence length; the spec says so in the results."""
-    from tasks.timing import timed_generation
+    from tasks.measurement.timing import timed_generation
 
     if not sample_steps:
         return timed_generation(decoder, prompt, new_tokens)
@@ -189,10 +189,10 @@ def _run_llamacpp(path: Path, prompt: list[int], new_tokens: int, threads: int):
 
 
 def measure(spec: dict, prompt: list[int], new_tokens: int, warmup: int, repeats: int) -> dict:
-    """Run in a fresh process: load the engine, warm up, time `repeats` generations."""
+    """Run in a fresh process: load the engine, then the bench stage's own timed runs."""
     import os
 
-    from tasks.timing import peak_rss_mb
+    from tasks.measurement.timing import timed_runs
 
     started = time.perf_counter()
     kind, decode_runs = spec["kind"], []
@@ -208,14 +208,7 @@ def measure(spec: dict, prompt: list[int], new_tokens: int, warmup: int, repeats
                 return _generate_with_lookup(decoder, prompt, new_tokens, spec["prompt_lookup"], decode_runs)
             return _generate(decoder, prompt, new_tokens, spec.get("sample_steps"))
 
-    load = time.perf_counter() - started
-    for _ in range(warmup):
-        once()
-    runs = [once() for _ in range(repeats)]
-    return {
-        "first_token_s": [first for first, _ in runs],
-        "step_s": [list(steps) for _, steps in runs],
-        "load_s": load,
-        "peak_rss_mb": peak_rss_mb(),
-        "decode_runs": decode_runs[-repeats:] if decode_runs else None,  # prompt lookup only
-    }
+    load_seconds = time.perf_counter() - started
+    result = timed_runs(once, warmup, repeats)
+    # prompt lookup only: how many decode runs each repeat took (its warm-up aside)
+    return result | {"load_seconds": load_seconds, "decode_runs": decode_runs[-repeats:] if decode_runs else None}

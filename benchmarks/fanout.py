@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from flows.dvc import dvc as run_dvc  # noqa: E402
-from tasks.files import atomic_write_json  # noqa: E402
+from tasks.core.files import atomic_write_json  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 WORK = REPO / "benchmarks" / ".cache" / "fanout"

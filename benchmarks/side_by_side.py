@@ -33,10 +33,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks import engines  # noqa: E402
-from tasks import paths  # noqa: E402
 from tasks.bench import prompt_ids  # noqa: E402
-from tasks.files import atomic_write_json, folder_bytes  # noqa: E402
-from tasks.timing import in_fresh_process  # noqa: E402
+from tasks.core import paths  # noqa: E402
+from tasks.core.files import atomic_write_json, folder_bytes  # noqa: E402
+from tasks.measurement import timing  # noqa: E402
+from tasks.measurement.timing import in_fresh_process  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 CACHE = REPO / "benchmarks" / ".cache"
@@ -69,7 +70,7 @@ def memory_bandwidth_gb_s(size_mb: int = 512, seconds: float = 2.0) -> float:
 def optimum_fp32(model: str) -> Path:
     """optimum's export exactly as it ships (no fusions, logits for every position), built once."""
     from tasks import export
-    from tasks.params import ExportConfig
+    from tasks.core.params import ExportConfig
 
     out = CACHE / model / "optimum-fp32"
     if not (out / "model.onnx").is_file():
@@ -154,27 +155,19 @@ def size_mb(spec: dict) -> float:
 
 
 def summarize(runs: list[dict], spec: dict, prompt_tokens: int, bandwidth: float) -> dict:
-    first = np.array([s for run in runs for s in run["first_token_s"]])
-    steps = np.array([s for run in runs for repeat in run["step_s"] for s in repeat])
-    rates = [len(r) / sum(r) for run in runs for r in run["step_s"]]
-    e2e = [f + sum(r) for run in runs for f, r in zip(run["first_token_s"], run["step_s"], strict=True)]
+    """The bench stage's metrics (tasks.measurement.timing.summarize), and what only a comparison
+    of engines needs: the share of the memory-bandwidth roofline and, for prompt lookup, tokens
+    per model run."""
     size = size_mb(spec)
+    metrics = timing.summarize(runs, prompt_tokens, int(size * 1e6))
     roofline = bandwidth * 1e3 / size  # tokens/s if each token read every weight byte once
     decode_runs = [n for run in runs for n in run.get("decode_runs") or []]
-    return {
-        "decode_tokens_per_second": float(np.median(rates)),
+    steps = sum(len(repeat) for run in runs for repeat in run["step_s"])
+    return metrics | {
         # prompt lookup only: decode tokens per model run (1.0 means no draft was ever accepted)
-        "tokens_per_run": float(steps.size / sum(decode_runs)) if decode_runs else None,
-        "decode_ms_p50": float(np.percentile(steps, 50) * 1e3),
-        "decode_ms_p95": float(np.percentile(steps, 95) * 1e3),
-        "first_token_ms_p50": float(np.percentile(first, 50) * 1e3),
-        "first_token_ms_p95": float(np.percentile(first, 95) * 1e3),
-        "prefill_tokens_per_second": float(prompt_tokens / np.percentile(first, 50)),
-        "end_to_end_s": float(np.median(e2e)),
-        "peak_rss_mb": float(max(run["peak_rss_mb"] for run in runs)),
-        "size_mb": round(size, 1),
+        "tokens_per_run": steps / sum(decode_runs) if decode_runs else None,
         "roofline_tokens_per_second": roofline,
-        "share_of_roofline": float(np.median(rates)) / roofline,
+        "share_of_roofline": metrics["decode_tokens_per_second"] / roofline,
         "interpolated_steps": bool(spec.get("sample_steps")),
     }
 
@@ -191,7 +184,7 @@ def run_workload(specs: dict[str, dict], prompt: list[int], new_tokens: int, rou
 def lighter(chain: dict) -> dict:
     """Each chain step's speed-up over the step before, and the whole chain's."""
     names = list(chain)
-    times = [chain[n]["end_to_end_s"] for n in names]
+    times = [chain[n]["end_to_end_seconds"] for n in names]
     steps = {names[i]: times[i - 1] / times[i] for i in range(1, len(names))}
     return {"x_lighter": times[0] / times[-1], "x_lighter_than_kv_cache": times[1] / times[-1], "steps": steps}
 
@@ -202,11 +195,28 @@ def table(results: dict) -> str:
         "| roofline share |",
         "|---|---|---|---|---|---|---|",
     ]
-    for name, r in results.items():
+    for name, r in sorted(results.items(), key=lambda item: item[1]["decode_tokens_per_second"]):
         lines.append(
-            f"| {name} | {r['decode_tokens_per_second']:.1f} | {r['decode_ms_p50']:.2f} / {r['decode_ms_p95']:.2f} "
-            f"| {r['first_token_ms_p50']:.0f} / {r['first_token_ms_p95']:.0f} | {r['peak_rss_mb']:.0f} "
-            f"| {r['size_mb']:.0f} | {r['share_of_roofline']:.0%} |"
+            f"| {name} | {r['decode_tokens_per_second']:.1f} | {r['decode_ms_per_token_p50']:.2f} / "
+            f"{r['decode_ms_per_token_p95']:.2f} | {r['seconds_to_first_token_p50'] * 1e3:.0f} / "
+            f"{r['seconds_to_first_token_p95'] * 1e3:.0f} | {r['peak_rss_mb']:.0f} | {r['size_mb']:.0f} "
+            f"| {r['share_of_roofline']:.0%} |"
+        )
+    return "\n".join(lines)
+
+
+def chain_table(long: dict) -> str:
+    """The x-lighter chain: each step's end-to-end time and its factor over the step before."""
+    lines = [
+        "| step (2,048-token prompt, 200 new tokens) | end to end s | step factor | decode tok/s | first token s "
+        "| peak RSS MB |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name in long["order"]:
+        r, factor = long["chain"][name], long["steps"].get(name)
+        lines.append(
+            f"| {name} | {r['end_to_end_seconds']:.1f} | {f'x{factor:.2f}' if factor else '-'} "
+            f"| {r['decode_tokens_per_second']:.1f} | {r['seconds_to_first_token_p50']:.2f} | {r['peak_rss_mb']:.0f} |"
         )
     return "\n".join(lines)
 
@@ -233,14 +243,14 @@ def plot(report: dict, path: Path) -> None:
     axes[0].invert_yaxis()
     axes[0].set_xlabel("decode tokens/s (128-token prompt, 64 new tokens)")
     axes[0].legend(fontsize=7, loc="upper right")
-    axes[1].barh(y, [short[n]["first_token_ms_p50"] for n in names], color="#3b75af")
+    axes[1].barh(y, [short[n]["seconds_to_first_token_p50"] * 1e3 for n in names], color="#3b75af")
     axes[1].set_yticks(y, [""] * len(names))
     axes[1].invert_yaxis()
     axes[1].set_xlabel("time to first token, ms (p50)")
     if "long" in report:
         chain = report["long"]["chain"]
         labels = report["long"]["order"]  # each step adds one technique to the one above
-        axes[2].barh(np.arange(len(labels)), [chain[n]["end_to_end_s"] for n in labels], color="#3b75af")
+        axes[2].barh(np.arange(len(labels)), [chain[n]["end_to_end_seconds"] for n in labels], color="#3b75af")
         axes[2].set_xscale("log")
         axes[2].set_yticks(np.arange(len(labels)), labels, fontsize=8)
         axes[2].invert_yaxis()
@@ -278,13 +288,11 @@ def main(argv: list[str] | None = None) -> int:
         prompt = prompt_ids(paths.hf_dir(args.model), text, prompt_tokens)
         chain = run_workload(chain_engines(args.model), prompt, new_tokens, max(1, args.rounds - 1), bandwidth)
         report["long"] = {"chain": chain, "order": list(chain), **lighter(chain)}
-        print(table(chain))
+        print(chain_table(report["long"]))
         print(
             f"x lighter than PyTorch without KV cache: {report['long']['x_lighter']:.1f}; "
             f"than PyTorch with its KV cache: {report['long']['x_lighter_than_kv_cache']:.1f}"
         )
-        for step, factor in report["long"]["steps"].items():
-            print(f"  {step}: x{factor:.2f}")
     RESULTS.mkdir(parents=True, exist_ok=True)
     atomic_write_json(RESULTS / "side_by_side.json", report)
     plot(report, RESULTS / "side_by_side.png")

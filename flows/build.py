@@ -31,8 +31,8 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.dvc import build_lock, metrics_diff, reproduce
 from flows.preflight import before_build, measurements_kept, tidy
-from tasks import paths
-from tasks.params import load_params
+from tasks.core import paths
+from tasks.core.params import load_params
 
 DASK_ENV = "ORTFORGE_DASK_ADDRESS"
 SHARED_STAGES = ("export", "optimize", "reference")  # per model, upstream of every variant

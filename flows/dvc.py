@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from tasks.lifetime import die_with_parent
+from tasks.core.lifetime import die_with_parent
 
 STAGE_STARTED = re.compile(r"Running stage '([^']+)'")
 # What DVC prints when another DVC process holds the repository or a stage's outputs.

@@ -13,10 +13,10 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from tasks import paths
-from tasks.files import remove_abandoned_under
-from tasks.params import load_params
-from tasks.resources import check_writable
+from tasks.core import paths
+from tasks.core.files import remove_abandoned_under
+from tasks.core.params import load_params
+from tasks.core.resources import check_writable
 
 
 def output_paths(root: Path, kept_in_git: bool = False) -> list[Path]:

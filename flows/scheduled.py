@@ -20,8 +20,8 @@ from prefect.cache_policies import NO_CACHE
 
 from flows.build import build
 from flows.dvc import dvc, metrics_diff
-from tasks import paths
-from tasks.params import HubSource, load_params
+from tasks.core import paths
+from tasks.core.params import HubSource, load_params
 
 DEPLOYMENT = "nightly"
 DEFAULT_CRON = "0 3 * * *"

@@ -1,11 +1,10 @@
-"""The `ortforge` command: build, inspect and run artifacts over the same functions the DAG uses.
+"""The `ortforge` command. The runtime brings one command, and the build side (`pip install
+'ortforge[build]'`, or this repository's scripts/install.sh) adds its own through the
+`ortforge.commands` entry points, so an install of the runtime alone stays small:
 
-    ortforge build [--model M]         reproduce the DAG (all models, or one), with a progress bar
-    ortforge status                    what is stale and why, from DVC
-    ortforge bench [--model M]         measure every variant again on this machine, then report
-    ortforge report [--model M]        print the results table (and where its offline HTML page is)
-    ortforge generate M "prompt"       stream tokens from a validated variant through the runtime
-    ortforge doctor                    versions, CPU features, threads, free disk and memory
+    ortforge generate TARGET "prompt"  stream tokens from a validated variant (TARGET: its folder,
+                                       or with the build side a model of params.yaml)
+    ortforge build / status / bench / report / doctor     with the build side (flows/commands.py)
 
 Heavy libraries load inside the commands that need them, so `--help` answers at once. Every
 expected failure is one line, `error: ...`, naming the bad value and the fix, with exit status 2.
@@ -14,11 +13,16 @@ expected failure is one line, `error: ...`, naming the bad value and the fix, wi
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
 import sys
 from pathlib import Path
 
 EXIT_USAGE = 2
+# Entry points the build side provides: modules with add_commands(subparsers) and
+# expected_errors(), and functions (root, model, variant) -> the folder of a model's variant.
+COMMANDS = "ortforge.commands"
+RESOLVERS = "ortforge.resolvers"
 
 
 class CliError(Exception):
@@ -52,7 +56,7 @@ def _stdin_text() -> str:
         ) from None
 
 
-def _positive(text: str) -> int:
+def positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not a positive number of tokens; ask for at least 1")
@@ -64,112 +68,43 @@ def _argument_text(value: str) -> str:
     return os.fsencode(value).decode("utf-8", errors="replace")
 
 
-def _models(root: Path, chosen: str | None) -> list[str]:
-    from tasks import paths
-    from tasks.params import load_params
-
-    params = load_params(root / paths.PARAMS)
-    if chosen is not None:
-        params.model(chosen)  # an unknown model stops here, naming the known ones
-        return [chosen]
-    return list(params.models)
+def _plugins(group: str) -> list:
+    return [entry.load() for entry in importlib.metadata.entry_points(group=group)]
 
 
-def cmd_build(args: argparse.Namespace) -> int:
-    from flows.dvc import build_lock
-    from flows.preflight import before_build, measurements_kept, tidy
-    from flows.progress import reproduce_with_progress
-
-    models = _models(args.root, args.model)
-    targets = [f"report@{model}" for model in models] if args.model else None
-    with build_lock(args.root, wait=not args.no_wait, say=lambda line: print(line, file=sys.stderr)):
-        before_build(args.root)
-        try:
-            with measurements_kept(args.root):
-                ran = reproduce_with_progress(args.root, targets)
-        finally:
-            tidy(args.root)
-    print(f"{len(ran)} stage(s) executed" if ran else "everything was up to date; no stage executed")
-    return 0
-
-
-def cmd_status(args: argparse.Namespace) -> int:
-    from flows.dvc import stale_reasons
-
-    _models(args.root, None)  # the params check, before DVC's templating meets a bad file
-
-    reasons = stale_reasons(args.root)
-    if not reasons:
-        print("up to date: `dvc repro` would execute no stage")
-        return 0
-    for stage, why in reasons.items():
-        print(f"{stage}: {'; '.join(why)}")
-    print(f"{len(reasons)} stage(s) stale; downstream stages rerun too if their inputs change. Run `ortforge build`.")
-    return 0
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    from flows.dvc import build_lock
-    from flows.preflight import before_build, measurements_kept, tidy
-    from flows.progress import reproduce_with_progress
-
-    models = _models(args.root, args.model)
-    with build_lock(args.root, wait=not args.no_wait, say=lambda line: print(line, file=sys.stderr)):
-        before_build(args.root)
-        try:
-            with measurements_kept(args.root):
-                for model in models:
-                    # Forced: the point is a fresh measurement on this machine, not DVC's cached figures.
-                    reproduce_with_progress(args.root, [f"bench@{model}-*"], "--force", "--single-item", "--glob")
-                    reproduce_with_progress(args.root, [f"report@{model}"])
-        finally:
-            tidy(args.root)
-    return cmd_report(args)
-
-
-def cmd_report(args: argparse.Namespace) -> int:
-    from tasks import paths
-
-    for model in _models(args.root, args.model):
-        table = args.root / paths.report_md(model)
-        if not table.is_file():
-            raise CliError(f"{table} does not exist yet; run `ortforge build --model {model}` first")
-        print(table.read_text(encoding="utf-8"))
-        print(f"plots and table in one offline page: {args.root / paths.report_html(model)}\n")
-    return 0
-
-
-def _variant_to_run(root: Path, model: str, variant: str | None) -> Path:
-    from ortforge.manifest import check_validated
-    from tasks import paths
-    from tasks.files import read_json
-
-    if variant is None:
-        summary = root / paths.report_json(model)
-        if not summary.is_file():
-            raise CliError(f"{summary} does not exist, so no variant is recommended yet; pass --variant or build first")
-        variant = read_json(summary)["recommended"]
-        if variant is None:
-            raise CliError(f"no variant of {model} is within the report's quality budget; pass --variant")
-    folder = root / paths.variant_dir(model, variant)
-    if not folder.is_dir():
-        raise CliError(f"{folder} does not exist; check the variant name or run `ortforge build --model {model}`")
-    try:
-        check_validated(folder)  # never run an artifact that failed validation or changed since
-    except ValueError as error:
+def artifact_folder(root: Path, target: str, variant: str | None) -> Path:
+    """TARGET as an artifact folder: itself, or (with the build side) a model's chosen variant."""
+    folder = Path(target)
+    if (folder / "model.onnx").is_file():
+        if variant is not None:
+            raise CliError(f"{target} is an artifact folder already; drop --variant {variant}")
+        return folder
+    resolvers = _plugins(RESOLVERS)
+    if not resolvers:
         raise CliError(
-            f"{error}; run `ortforge build --model {model}` to validate it, or pick a validated variant with --variant"
-        ) from None
-    return folder
+            f"{target} is not an artifact folder (no model.onnx); give a built variant's folder, or install the "
+            f"build side (pip install 'ortforge[build]') to name a model of params.yaml"
+        )
+    return resolvers[0](root, target, variant)
+
+
+def _shown(folder: Path) -> str:
+    """The folder as the user would type it: relative to the working directory when inside it."""
+    resolved = folder.resolve()
+    return str(resolved.relative_to(Path.cwd())) if resolved.is_relative_to(Path.cwd()) else str(folder)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from ortforge.generate import TextGenerator
+    from ortforge.manifest import check_validated
 
-    _models(args.root, args.model)
-    folder = _variant_to_run(args.root, args.model, args.variant)
+    folder = artifact_folder(args.root, args.target, args.variant)
+    try:
+        check_validated(folder)  # never run an artifact that failed validation or changed since
+    except ValueError as error:
+        raise CliError(f"{error}; build and validate it (`ortforge build`), or pick a validated variant") from None
     prompt = _stdin_text() if args.prompt == "-" else _argument_text(args.prompt)
-    print(f"[{args.model}/{folder.name}]", file=sys.stderr)
+    print(f"[{_shown(folder)}]", file=sys.stderr)
     for piece in TextGenerator(folder, prompt_lookup=args.prompt_lookup).stream(prompt, args.max_new_tokens):
         sys.stdout.write(piece)
         sys.stdout.flush()
@@ -177,47 +112,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_doctor(args: argparse.Namespace) -> int:
-    from ortforge.doctor import report
-
-    for line in report(args.root):
-        print(line)
-    return 0
-
-
-def _expected_errors() -> tuple[type[BaseException], ...]:
-    from flows.dvc import BuildBusy, DvcFailed
-    from tasks.errors import StageError
-
-    # ValueError: the runtime's refusals (an unvalidated or changed artifact, weights outside it).
-    return (CliError, StageError, DvcFailed, BuildBusy, ValueError)
+def expected_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that are the user's to fix: one line each. ValueError: the runtime's refusals
+    (an unvalidated or changed artifact, weights outside it, a prompt past the context)."""
+    errors = [CliError, ValueError]
+    for plugin in _plugins(COMMANDS):
+        errors += plugin.expected_errors()
+    return tuple(errors)
 
 
 def parser() -> argparse.ArgumentParser:
     top = OneLineParser(prog="ortforge", description=__doc__.splitlines()[0])
     top.add_argument("--root", type=Path, default=Path("."), help="the repository root (default: .)")
     commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    def command(name: str, handler, help_text: str) -> argparse.ArgumentParser:
-        sub = commands.add_parser(name, help=help_text, description=help_text)
-        sub.set_defaults(handler=handler)
-        return sub
-
-    for name, handler, help_text in (
-        ("build", cmd_build, "reproduce the DAG for every model, or one"),
-        ("bench", cmd_bench, "measure every variant again on this machine, then report"),
-    ):
-        sub = command(name, handler, help_text)
-        sub.add_argument("--model", help="only this model from params.yaml")
-        sub.add_argument("--no-wait", action="store_true", help="stop instead of waiting when another build runs")
-    sub = command("report", cmd_report, "print the results table of every model, or one")
-    sub.add_argument("--model", help="only this model from params.yaml")
-    command("status", cmd_status, "what is stale and why, from DVC")
-    sub = command("generate", cmd_generate, "stream a greedy continuation of a prompt")
-    sub.add_argument("model", help="a model from params.yaml")
+    help_text = "stream a greedy continuation of a prompt from a validated variant"
+    sub = commands.add_parser("generate", help=help_text, description=help_text)
+    sub.set_defaults(handler=cmd_generate)
+    sub.add_argument("target", help="a variant's folder, or (with the build side) a model of params.yaml")
     sub.add_argument("prompt", help="the prompt text, or - to read it from stdin (UTF-8)")
-    sub.add_argument("--variant", help="default: the variant the report recommends")
-    sub.add_argument("--max-new-tokens", type=_positive, default=64, metavar="N")
+    sub.add_argument("--variant", help="with a model: default, the variant its report recommends")
+    sub.add_argument("--max-new-tokens", type=positive, default=64, metavar="N")
     sub.add_argument(
         "--prompt-lookup",
         type=int,
@@ -225,7 +139,8 @@ def parser() -> argparse.ArgumentParser:
         metavar="N",
         help="check up to N draft tokens looked up in the text per step: faster where the text repeats",
     )
-    command("doctor", cmd_doctor, "versions, CPU features, threads, free disk and memory")
+    for plugin in _plugins(COMMANDS):
+        plugin.add_commands(commands)
     return top
 
 
@@ -234,10 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     args.root = args.root.resolve()
     try:
-        if args.handler is not cmd_doctor and not (args.root / "params.yaml").is_file():
-            raise CliError(f"{args.root} has no params.yaml; run ortforge in the repository root or pass --root")
         return args.handler(args)
-    except _expected_errors() as error:
+    except expected_errors() as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

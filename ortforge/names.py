@@ -14,9 +14,7 @@ LOGITS = "logits"
 LOGITS_TO_KEEP = "logits_to_keep"
 
 BATCH = "batch_size"
-SEQUENCE = "sequence_length"
 PAST_SEQUENCE = "past_sequence_length"
-TOTAL_SEQUENCE = "total_sequence_length"
 
 MODEL_FILE = "model.onnx"
 RUNTIME_SUFFIX = ".runtime.json"  # <variant>.runtime.json beside the variant: the bench stage's tuned settings

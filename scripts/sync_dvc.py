@@ -1,4 +1,4 @@
-"""Rewrite dvc.yaml's code deps and tool params from the stages' imports (tasks/imports.py), so a
+"""Rewrite dvc.yaml's code deps and tool params from the stages' imports (tasks/core/imports.py), so a
 new import is one command away from its cache key: `python scripts/sync_dvc.py`.
 tests/test_contract.py fails until dvc.yaml agrees with the code."""
 
@@ -12,8 +12,8 @@ sys.path.insert(0, str(REPO))
 
 from ruamel.yaml import YAML  # noqa: E402  (DVC's own YAML library: keeps comments and layout)
 
-from tasks import imports  # noqa: E402
-from tasks.versions import STAGES, load_pins, stage_tools  # noqa: E402
+from tasks.core import imports  # noqa: E402
+from tasks.core.versions import STAGES, load_pins, stage_tools  # noqa: E402
 
 
 def code_first(stage: str):

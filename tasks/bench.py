@@ -14,37 +14,22 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-import numpy as np
-
 from ortforge import machine
 from ortforge.manifest import check_validated
 from ortforge.names import CONTEXT_LENGTH_KEY, MODEL_FILE
 from ortforge.session import SessionSettings
-from tasks import paths
-from tasks.files import atomic_write_json, folder_bytes, megabytes
-from tasks.params import BenchConfig
-from tasks.stage import StageError, stage_cli
-from tasks.timing import ORT, TORCH, in_fresh_process, measure_engine
+from tasks.core import paths
+from tasks.core.files import atomic_write_json, folder_bytes
+from tasks.core.params import BenchConfig
+from tasks.core.stage import StageError, stage_cli
+from tasks.measurement import timing
+from tasks.measurement.timing import ORT, TORCH, in_fresh_process, measure_engine
 
 log = logging.getLogger(__name__)
 
 
 def summarize(runs: list[dict], prompt_tokens: int, size_bytes: int) -> dict:
-    first = np.array([s for run in runs for s in run["first_token_s"]])
-    steps = np.array([s for run in runs for repeat in run["step_s"] for s in repeat])
-    per_repeat_rate = [len(r) / sum(r) for run in runs for r in run["step_s"]]
-    return {
-        "seconds_to_first_token_p50": float(np.percentile(first, 50)),
-        "seconds_to_first_token_p95": float(np.percentile(first, 95)),
-        "prefill_tokens_per_second": float(prompt_tokens / np.percentile(first, 50)),
-        "decode_ms_per_token_p50": float(np.percentile(steps, 50) * 1e3),
-        "decode_ms_per_token_p95": float(np.percentile(steps, 95) * 1e3),
-        "decode_tokens_per_second": float(np.median(per_repeat_rate)),
-        "peak_rss_mb": float(max(run["peak_rss_mb"] for run in runs)),
-        "size_mb": megabytes(size_bytes),
-        "load_seconds": float(np.median([run["load_seconds"] for run in runs])),
-        "threads": runs[0]["threads"],
-    }
+    return timing.summarize(runs, prompt_tokens, size_bytes) | {"threads": runs[0]["threads"]}
 
 
 def ratios(variant: dict, baseline: dict) -> dict:
@@ -82,7 +67,7 @@ def check_fits_context(cfg: BenchConfig, variant_dir: Path) -> None:
 
 def runtime_settings(result: dict, cfg: BenchConfig) -> dict:
     if result["tuning"]:
-        session, source = result["tuning"]["session"], "tasks.tuning"
+        session, source = result["tuning"]["session"], "tasks.measurement.tuning"
     else:
         session, source = SessionSettings(intra_op_threads=cfg.threads).to_dict(), "bench.tune false: not measured"
     return {"session": session, "measured_by": source, "machine": result["machine"]}
@@ -97,7 +82,7 @@ def run(cfg: BenchConfig, variant_dir: Path, hf_dir: Path) -> dict:
     prompt = prompt_ids(variant_dir, cfg.text, cfg.prompt_tokens)
     tuning = None
     if cfg.tune:
-        from tasks.tuning import sweep
+        from tasks.measurement.tuning import sweep
 
         log.info("choosing session settings for %s by measurement", variant_dir)
         tuning = in_fresh_process(sweep, str(variant_dir), prompt, cfg.new_tokens)

@@ -20,11 +20,12 @@ from fnmatch import fnmatch
 from pathlib import Path
 
 from ortforge.manifest import sha256_file
-from tasks import gguf_convert, paths, resources
-from tasks.files import atomic_output_dir, atomic_write_json, folder_bytes, megabytes, scratch_dir
-from tasks.params import GGUFPackageSource, GGUFSource, HubSource, LocalSource, ModelSpec
-from tasks.stage import StageError, stage_cli
-from tasks.weights import check_safetensors
+from tasks.core import paths, resources
+from tasks.core.files import atomic_output_dir, atomic_write_json, folder_bytes, megabytes, scratch_dir
+from tasks.core.params import GGUFPackageSource, GGUFSource, HubSource, LocalSource, ModelSpec
+from tasks.core.stage import StageError, stage_cli
+from tasks.sources import gguf
+from tasks.sources.weight_files import check_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -58,12 +59,12 @@ def run(spec: ModelSpec, out_dir: Path) -> DownloadResult:
     # Everything that can fail on bad input runs before the output folder is created.
     if isinstance(source, (GGUFSource, GGUFPackageSource)):
         with gguf_file(source, out_dir) as gguf_path:
-            info, record = gguf_convert.inspect(gguf_path, source.sha256)
+            info, record = gguf.inspect(gguf_path, source.sha256)
             if isinstance(source, GGUFPackageSource):
                 record |= _package_record(source)
             resources.check_room("download", resources.DOWNLOAD_GGUF_NEEDS, gguf_path, out_dir)
             with atomic_output_dir(out_dir) as tmp:
-                record["tokenizer"] = gguf_convert.convert(gguf_path, info, tmp)
+                record["tokenizer"] = gguf.convert(gguf_path, info, tmp)
                 _finish(tmp, spec, record)
     else:
         if isinstance(source, HubSource):

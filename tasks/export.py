@@ -11,7 +11,7 @@
 the builder refuses some families and gets others subtly wrong (it hard-codes which Gemma 2 and 3
 layers attend locally), so every exported graph is compared with PyTorch before it is kept, on
 a sequence longer than the model's sliding window where it has one. Tied weights are stored once
-whichever exporter wrote them (tasks/shared_weights.py).
+whichever exporter wrote them (tasks/graphs/shared_weights.py).
 
 Reads artifacts/<model>/hf; writes artifacts/<model>/onnx holding model.onnx whose inputs are
 input_ids, attention_mask, [position_ids,] past_key_values.{i}.key|value and whose outputs are
@@ -29,11 +29,12 @@ from pathlib import Path
 import numpy as np
 
 from ortforge import names
-from tasks import architecture, onnx_io, paths, shared_weights
-from tasks.architecture import Architecture
-from tasks.files import atomic_output_dir, atomic_write_json, folder_bytes, megabytes
-from tasks.params import ExportConfig
-from tasks.stage import StageError, stage_cli
+from tasks.core import paths
+from tasks.core.files import atomic_output_dir, atomic_write_json, folder_bytes, megabytes
+from tasks.core.params import ExportConfig
+from tasks.core.stage import StageError, stage_cli
+from tasks.graphs import architecture, onnx_io, shared_weights
+from tasks.graphs.architecture import Architecture
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +143,7 @@ def parity(graph_dir: Path, hf_dir: Path, arch: Architecture, graph) -> dict:
     """Prefill then cached steps through onnxruntime against one PyTorch pass over the same tokens."""
     from ortforge.decoder import Decoder
     from ortforge.session import create_session
-    from tasks.torch_decoder import TorchDecoder
+    from tasks.evaluation.torch_decoder import TorchDecoder
 
     window = arch.sliding_window or 0
     prefill = PARITY_TOKENS if window >= LONGEST_PARITY_PREFILL else max(PARITY_TOKENS, window + 8)

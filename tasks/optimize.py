@@ -12,11 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ortforge.names import MODEL_FILE
-from tasks import architecture, onnx_io, paths, rotary
-from tasks.architecture import Architecture
-from tasks.files import atomic_output_dir, atomic_write_json, folder_bytes, megabytes
-from tasks.params import OptimizeConfig
-from tasks.stage import StageError, stage_cli
+from tasks.core import paths
+from tasks.core.files import atomic_output_dir, atomic_write_json, folder_bytes, megabytes
+from tasks.core.params import OptimizeConfig
+from tasks.core.stage import StageError, stage_cli
+from tasks.graphs import architecture, onnx_io, rotary
+from tasks.graphs.architecture import Architecture
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ class OptimizeResult:
     ops_after: dict[str, int]
     fused: dict[str, int]
     size_mb: float
-    rotary_computed: list[dict]  # rotary tables the graph now computes at load (tasks/rotary.py)
+    rotary_computed: list[dict]  # rotary tables the graph now computes at load (tasks/graphs/rotary.py)
 
 
 def run(cfg: OptimizeConfig, onnx_dir: Path, hf_dir: Path, out_dir: Path) -> OptimizeResult:

@@ -16,12 +16,15 @@ import numpy as np
 
 from ortforge import names
 from ortforge.manifest import write_manifest
-from tasks import architecture, calibration, coverage, mixed_precision, onnx_io, paths, smoothing, weight_only
-from tasks.architecture import Architecture
-from tasks.files import atomic_output_dir, folder_bytes, megabytes, read_json
-from tasks.params import CalibrationConfig, QuantizeConfig
-from tasks.stage import StageError, stage_cli
-from tasks.versions import lineage_versions
+from tasks.core import paths
+from tasks.core.files import atomic_output_dir, folder_bytes, megabytes, read_json
+from tasks.core.params import CalibrationConfig
+from tasks.core.stage import StageError, stage_cli
+from tasks.core.versions import lineage_versions
+from tasks.graphs import architecture, onnx_io
+from tasks.graphs.architecture import Architecture
+from tasks.quantization import calibration, coverage, layers, mixed_precision, smoothing, weight_only
+from tasks.quantization.configs import QuantizeConfig, needs_calibration
 
 log = logging.getLogger(__name__)
 
@@ -73,15 +76,15 @@ class Calibration:
 
 def _weight_only(cfg: QuantizeConfig, model_dir: Path, calib: Calibration | None) -> Quantized:
     model = onnx_io.load(model_dir)
-    linears = weight_only.linear_layers(model)
-    weight_only.layer_blocks(linears, cfg.block_size)  # refuses a bad K before calibrating
-    inputs = weight_only.calibrated_inputs(model, cfg)
+    linears = layers.linear_layers(model)
+    layers.layer_blocks(linears, cfg.block_size)  # refuses a bad K before calibrating
+    inputs = layers.calibrated_inputs(model, cfg)
     hessians = calibration.input_hessians(model, inputs, calib.chunks(), calib.head_dim) if inputs else {}
     choice = None
     if cfg.size_budget_mb is not None:
-        layers = 1 + max((linear.layer for linear in linears if linear.layer is not None), default=0)
+        blocks = 1 + max((linear.layer for linear in linears if linear.layer is not None), default=0)
         measure = mixed_precision.Measure(model, model_dir, calib.chunks(), calib.head_dim, hessians)
-        cfg, choice = mixed_precision.choose(measure, cfg, layers)
+        cfg, choice = mixed_precision.choose(measure, cfg, blocks)
     graph, notes = weight_only.quantize_model(model, cfg, hessians)
     return Quantized(graph, notes, cfg=cfg, mixed_precision=choice)
 
@@ -228,7 +231,7 @@ def run(
         raise StageError(f"{model_dir} has no {names.MODEL_FILE}; run the optimize stage first")
     arch = architecture.read(hf_dir)
     calib = Calibration(calibration_cfg or CalibrationConfig(), hf_dir / "tokenizer.json", arch.head_dim)
-    if cfg.needs_calibration:
+    if needs_calibration(cfg):
         calib.chunks()  # a missing or short text fails here, before the slow part
     log.info("quantizing %s with %s", model_dir, cfg.model_dump(exclude_defaults=True))
     quantized = quantize_graph(cfg, model_dir, calib)

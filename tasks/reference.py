@@ -13,8 +13,11 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from tasks import architecture, paths
-from tasks.evaluation import (
+from tasks.core import paths
+from tasks.core.files import atomic_output_dir
+from tasks.core.params import EvalConfig
+from tasks.core.stage import StageError, stage_cli
+from tasks.evaluation.metrics import (
     Reference,
     TextReference,
     check_fits_context,
@@ -23,15 +26,13 @@ from tasks.evaluation import (
     sequence_length,
     text_ids,
 )
-from tasks.files import atomic_output_dir
-from tasks.params import EvalConfig
-from tasks.stage import StageError, stage_cli
+from tasks.graphs import architecture
 
 log = logging.getLogger(__name__)
 
 
 def run(cfg: EvalConfig, hf_dir: Path, out_dir: Path) -> Reference:
-    from tasks.torch_decoder import TorchDecoder
+    from tasks.evaluation.torch_decoder import TorchDecoder
 
     tokenizer_json = hf_dir / "tokenizer.json"
     if not tokenizer_json.is_file():

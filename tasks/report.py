@@ -12,10 +12,11 @@ import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tasks import paths, report_html
-from tasks.files import atomic_write_json, atomic_write_text, read_json
-from tasks.params import ReportConfig
-from tasks.stage import StageError, stage_cli
+from tasks.core import paths
+from tasks.core.files import atomic_write_json, atomic_write_text, read_json
+from tasks.core.params import ReportConfig
+from tasks.core.stage import StageError, stage_cli
+from tasks.reporting import html
 
 log = logging.getLogger(__name__)
 
@@ -32,9 +33,9 @@ class Row:
     greedy: str
     size_mb: float
     decode_tokens_per_second: float
-    decode_ms_p50: float
-    decode_ms_p95: float
-    first_token_ms: float
+    decode_ms_per_token_p50: float
+    decode_ms_per_token_p95: float
+    seconds_to_first_token_p50: float
     peak_rss_mb: float
     decode_speedup: float
 
@@ -49,9 +50,9 @@ def _row(variant: str, validation: dict, bench: dict, speedup: float) -> Row:
         greedy=f"{validation['greedy_tokens_matched']}/{validation['greedy_steps']}",
         size_mb=bench["size_mb"],
         decode_tokens_per_second=bench["decode_tokens_per_second"],
-        decode_ms_p50=bench["decode_ms_per_token_p50"],
-        decode_ms_p95=bench["decode_ms_per_token_p95"],
-        first_token_ms=bench["seconds_to_first_token_p50"] * 1e3,
+        decode_ms_per_token_p50=bench["decode_ms_per_token_p50"],
+        decode_ms_per_token_p95=bench["decode_ms_per_token_p95"],
+        seconds_to_first_token_p50=bench["seconds_to_first_token_p50"],
         peak_rss_mb=bench["peak_rss_mb"],
         decode_speedup=speedup,
     )
@@ -139,8 +140,9 @@ def markdown(
         lines.append(
             f"| {row.variant} | {mark} | {row.perplexity:.2f} | {row.ppl_ratio:.3f} | {row.kl_divergence:.4f} | "
             f"{row.top1_agreement:.3f} | {row.greedy} | "
-            f"{row.size_mb:.1f} | {row.decode_tokens_per_second:.1f} | {row.decode_ms_p50:.1f} / "
-            f"{row.decode_ms_p95:.1f} | {row.first_token_ms:.0f} | {row.peak_rss_mb:.0f} | {row.decode_speedup:.2f} |"
+            f"{row.size_mb:.1f} | {row.decode_tokens_per_second:.1f} | {row.decode_ms_per_token_p50:.1f} / "
+            f"{row.decode_ms_per_token_p95:.1f} | {row.seconds_to_first_token_p50 * 1e3:.0f} | "
+            f"{row.peak_rss_mb:.0f} | {row.decode_speedup:.2f} |"
         )
     lines += [
         "",
@@ -219,8 +221,8 @@ def run(model: str, variants: list[str], cfg: ReportConfig, reports_dir: Path, o
     text = markdown(model, rows, baseline, front, best, cfg, workload, failed)
     atomic_write_text(out["md"], text)
     plot(model, rows, baseline, front, best, out["png"])
-    figures = report_html.figures_for(rows, baseline, out["png"])
-    atomic_write_text(out["html"], report_html.render(f"ortforge: {model}", text, figures))
+    figures = html.figures_for(rows, baseline, out["png"])
+    atomic_write_text(out["html"], html.render(f"ortforge: {model}", text, figures))
     summary = {
         "recommended": best.variant if best else None,
         "rule": cfg.model_dump(),

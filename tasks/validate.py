@@ -19,8 +19,11 @@ import numpy as np
 
 from ortforge.manifest import read_manifest, sha256_file, validation_stamp
 from ortforge.names import MANIFEST_FILE, MODEL_FILE
-from tasks import coverage, paths
-from tasks.evaluation import (
+from tasks.core import paths
+from tasks.core.files import atomic_write_json
+from tasks.core.params import EvalConfig, Thresholds
+from tasks.core.stage import StageError, stage_cli
+from tasks.evaluation.metrics import (
     Reference,
     TextReference,
     cached_decode_gap,
@@ -29,9 +32,8 @@ from tasks.evaluation import (
     greedy,
     matching_prefix,
 )
-from tasks.files import atomic_write_json
-from tasks.params import EvalConfig, QuantizeConfig, Thresholds
-from tasks.stage import StageError, stage_cli
+from tasks.quantization import coverage
+from tasks.quantization.configs import quantize_config
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +121,7 @@ def measure_coverage(variant_dir: Path) -> dict:
     import onnx
 
     manifest = read_manifest(variant_dir)
-    params = QuantizeConfig.model_construct(**manifest["params"])
+    params = quantize_config(**manifest["params"])
     found = coverage.weights(onnx.load(str(variant_dir / MODEL_FILE), load_external_data=False))
     share, wrong = coverage.shortfall(params, found, set(manifest.get("kept_float", {})))
     return {"share_as_asked": share, "not_as_asked": wrong, "by_role": coverage.summary(found)}
@@ -180,7 +182,16 @@ def run(
             "thresholds": limits.model_dump(),
         },
     )
-    log.info("variant %s passed: %s, perplexity %.3f; stamped %s", variant, summary, figures["perplexity"], stamp)
+    log.debug("variant %s passed: %s", variant, summary)
+    log.info(
+        "variant %s passed (worst text: perplexity x%.3f, KL %.3g, top-1 %.3f; coverage %.0f%%); stamped %s",
+        variant,
+        figures["ppl_ratio"],
+        figures["kl_divergence"],
+        figures["top1_agreement"],
+        100 * figures["coverage"]["share_as_asked"],
+        stamp,
+    )
     return figures
 
 

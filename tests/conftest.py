@@ -172,7 +172,7 @@ def add_model(project: Path, name: str, hf_dir: Path) -> None:
 
 @pytest.fixture(scope="session")
 def params(tiny_hf):
-    from tasks.params import Params
+    from tasks.core.params import Params
 
     return Params.model_validate(tiny_params(tiny_hf))
 
@@ -181,7 +181,7 @@ def params(tiny_hf):
 def built(tmp_path_factory, tiny_hf, params) -> dict[str, Path]:
     """Every stage's output folder for the tiny model, built once through the stages' run()."""
     from tasks import download, export, optimize, quantize, reference
-    from tasks.versions import lineage_versions
+    from tasks.core.versions import lineage_versions
 
     root = tmp_path_factory.mktemp("built")
     out = {name: root / name for name in ("hf", "onnx", "optimized", "reference")}
@@ -219,13 +219,14 @@ def make_project(folder: Path, hf_dir: Path) -> Path:
 def built_optimum(tmp_path_factory, built, params) -> dict[str, Path]:
     """The tiny model through optimum's exporter and onnxruntime's fusions, and its fp32 variant."""
     from tasks import export, optimize, quantize
-    from tasks.params import ExportConfig, OptimizeConfig, QuantizeConfig
+    from tasks.core.params import ExportConfig, OptimizeConfig
+    from tasks.quantization.configs import quantize_config
 
     root = tmp_path_factory.mktemp("optimum")
     out = {"hf": built["hf"], "onnx": root / "onnx", "optimized": root / "optimized", "fp32": root / "fp32"}
     export.run(ExportConfig(), "optimum", built["hf"], out["onnx"])
     optimize.run(OptimizeConfig(model_type="gpt2"), out["onnx"], built["hf"], out["optimized"])
-    quantize.run(QuantizeConfig(method="fp32"), out["optimized"], built["hf"], out["fp32"], {"model": "tiny"})
+    quantize.run(quantize_config(method="fp32"), out["optimized"], built["hf"], out["fp32"], {"model": "tiny"})
     return out
 
 

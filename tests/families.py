@@ -115,7 +115,7 @@ def through_every_stage(family: str, root: Path, variants=("fp32", "int8", "int4
     """Build the family's tiny model through download, export (auto), optimize, reference, quantize
     and validate (the tiny thresholds of tests/conftest.py); return the folders and the reports."""
     from tasks import download, export, optimize, quantize, reference, validate
-    from tasks.params import Params
+    from tasks.core.params import Params
     from tests.conftest import EVAL_TEXT, tiny_params
 
     params = Params.model_validate(tiny_params(build(family, root / "src", EVAL_TEXT)))
@@ -140,7 +140,7 @@ def runtime_gap(variant_dir: Path, hf_dir: Path, prefill: int = 14, steps: int =
     import numpy as np
 
     from ortforge import Decoder
-    from tasks.torch_decoder import TorchDecoder
+    from tasks.evaluation.torch_decoder import TorchDecoder
 
     ids = np.random.default_rng(1).integers(3, VOCAB_SIZE, prefill + steps)
     torch_decoder = TorchDecoder(hf_dir, attention="eager")

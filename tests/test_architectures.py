@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tasks import export
-from tasks.torch_decoder import TorchDecoder
+from tasks.evaluation.torch_decoder import TorchDecoder
 from tests import families
 
 # Where genai's builder is faithful it is chosen; it refuses GPT-2 and gets the Gemma 2 / Gemma 3

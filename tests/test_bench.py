@@ -7,9 +7,10 @@ import json
 
 import pytest
 
-from tasks import bench, timing
-from tasks.params import BenchConfig
-from tasks.stage import StageError
+from tasks import bench
+from tasks.core.params import BenchConfig
+from tasks.core.stage import StageError
+from tasks.measurement import timing
 
 METRICS = {
     "seconds_to_first_token_p50",

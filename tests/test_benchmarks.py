@@ -52,18 +52,32 @@ def test_sampled_steps_interpolate_between_measured_lengths(specs):
 
 
 def test_summarize_and_lighter_arithmetic():
-    runs = [{"first_token_s": [0.1, 0.1], "step_s": [[0.01] * 4, [0.02] * 4], "peak_rss_mb": 100.0}]
+    runs = [{"first_token_s": [0.1, 0.1], "step_s": [[0.01] * 4, [0.02] * 4], "peak_rss_mb": 100.0, "load_seconds": 1}]
     spec = {"kind": "ort", "path": "/nonexistent/model.gguf"}
     summary = side_by_side.summarize(runs, spec | {"path": __file__}, prompt_tokens=10, bandwidth=10.0)
     assert summary["decode_tokens_per_second"] == pytest.approx(75.0)  # median of 100 and 50
-    assert summary["end_to_end_s"] == pytest.approx(np.median([0.14, 0.18]))
+    assert summary["end_to_end_seconds"] == pytest.approx(np.median([0.14, 0.18]))
+    assert summary["seconds_to_first_token_p50"] == pytest.approx(0.1)  # the bench stage's own names
     assert summary["tokens_per_run"] is None
     with_lookup = side_by_side.summarize([runs[0] | {"decode_runs": [2, 4]}], spec | {"path": __file__}, 10, 10.0)
     assert with_lookup["tokens_per_run"] == pytest.approx(8 / 6)
-    chain = {"a": {"end_to_end_s": 100.0}, "b": {"end_to_end_s": 10.0}, "c": {"end_to_end_s": 2.0}}
+    chain = {"a": {"end_to_end_seconds": 100.0}, "b": {"end_to_end_seconds": 10.0}, "c": {"end_to_end_seconds": 2.0}}
     light = side_by_side.lighter(chain)
     assert light["x_lighter"] == 50.0 and light["steps"] == {"b": 10.0, "c": 5.0}
 
 
 def test_memory_bandwidth_is_measured():
     assert 0.5 < side_by_side.memory_bandwidth_gb_s(size_mb=16, seconds=0.2) < 1000
+
+
+def test_one_way_to_measure():
+    """The side-by-side benchmark measures and summarizes with the bench stage's own code."""
+    import inspect
+
+    from tasks import bench
+    from tasks.measurement import timing
+
+    assert "timed_runs(" in inspect.getsource(engines.measure)
+    assert "timing.summarize(" in inspect.getsource(side_by_side.summarize)
+    assert "timing.summarize(" in inspect.getsource(bench.summarize)
+    assert set(timing.summarize.__code__.co_names) >= {"percentile", "median"}

@@ -20,10 +20,27 @@ def test_help_imports_nothing_heavy():
     assert [name for name in loaded if name.split(".")[0] in HEAVY] == []
 
 
-def test_help_lists_every_command():
-    text = cli.parser().format_help()
-    for command in ("build", "status", "bench", "report", "generate", "doctor"):
-        assert command in text
+def commands(parser) -> dict:
+    (subparsers,) = [action for action in parser._actions if action.dest == "command"]
+    return subparsers.choices
+
+
+def test_every_command_is_registered_with_a_handler():
+    registered = commands(cli.parser())
+    assert set(registered) == {"build", "status", "bench", "report", "generate", "doctor"}
+    for name, sub in registered.items():
+        assert callable(sub.get_default("handler")), name
+
+
+def test_the_runtime_alone_has_generate_only(monkeypatch):
+    monkeypatch.setattr(cli, "_plugins", lambda group: [])
+    assert set(commands(cli.parser())) == {"generate"}
+
+
+def test_a_folder_without_a_model_needs_the_build_side_to_name_a_model(monkeypatch, tmp_path):
+    monkeypatch.setattr(cli, "_plugins", lambda group: [])
+    with pytest.raises(cli.CliError, match=f"{tmp_path} is not an artifact folder \\(no model.onnx\\)"):
+        cli.artifact_folder(tmp_path, str(tmp_path), None)
 
 
 @pytest.mark.parametrize(
@@ -53,6 +70,11 @@ def test_generate_refuses_a_variant_without_a_validation_stamp(built, tmp_path, 
     status = cli.main(["--root", str(tmp_path), "generate", "tiny", "hello", "--variant", "int8"])
     assert status == 2
     assert "has no validation stamp int8.valid.json" in capsys.readouterr().err
+    folder = str(tmp_path / "artifacts" / "tiny" / "variants" / "int8")
+    assert cli.main(["generate", folder, "hello"]) == 2  # a folder is checked the same way
+    assert "has no validation stamp int8.valid.json" in capsys.readouterr().err
+    assert cli.main(["generate", folder, "hello", "--variant", "int8"]) == 2
+    assert f"{folder} is an artifact folder already; drop --variant int8" in capsys.readouterr().err
 
 
 def test_doctor_reports_versions_cpu_threads_and_disk(capsys):

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from tasks import bench, download, export, optimize, quantize, reference, validate
-from tasks.params import BenchConfig, EvalConfig, Params
-from tasks.stage import StageError
+from tasks.core.params import BenchConfig, EvalConfig, Params
+from tasks.core.stage import StageError
 from tests import tiny_models
 from tests.conftest import EVAL_TEXT, tiny_params
 

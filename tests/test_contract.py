@@ -1,4 +1,4 @@
-"""dvc.yaml, tasks/ and flows/ agree: the same stages, the same paths as tasks/paths.py, and every
+"""dvc.yaml, tasks/ and flows/ agree: the same stages, the same paths as tasks/core/paths.py, and every
 helper a stage's code imports is a DVC dependency of that stage (so editing it reruns the stage)."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from tasks import imports, paths
-from tasks.versions import STAGES
+from tasks.core import imports, paths
+from tasks.core.versions import STAGES
 from tests.conftest import REPO
 
 
 def expected_paths(stage: str, model: str, variant: str | None) -> tuple[set[Path], set[Path]]:
-    """(inputs, outputs) of a stage according to tasks/paths.py."""
+    """(inputs, outputs) of a stage according to tasks/core/paths.py."""
     hf, onnx, opt, ref = (
         paths.hf_dir(model),
         paths.export_dir(model),
@@ -53,7 +53,7 @@ def dvc_stages():
 
 def split_address(stage) -> tuple[str, str, str | None]:
     """(stage, model, variant) of a matrix stage name such as quantize@smollm2-135m-int4."""
-    from tasks.params import load_params
+    from tasks.core.params import load_params
 
     name, _, item = stage.addressing.partition("@")
     if name in ("quantize", "validate", "bench"):
@@ -98,7 +98,7 @@ def test_dvc_code_deps_are_exactly_what_each_stage_imports(dvc_stages):
 
 
 def test_dvc_params_pin_exactly_the_tools_each_stage_reaches(dvc_stages):
-    from tasks.versions import load_pins, stage_tools
+    from tasks.core.versions import load_pins, stage_tools
 
     pins = load_pins(REPO / "versions.yaml")
     for stage in dvc_stages:

@@ -7,9 +7,12 @@ from __future__ import annotations
 import pytest
 
 from ortforge.manifest import read_manifest
-from tasks import coverage, onnx_io, quantize, validate, weight_only
-from tasks.params import CalibrationConfig, QuantizeConfig
-from tasks.stage import StageError
+from tasks import quantize, validate
+from tasks.core.params import CalibrationConfig
+from tasks.core.stage import StageError
+from tasks.graphs import onnx_io
+from tasks.quantization import coverage, layers, weight_only
+from tasks.quantization.configs import quantize_config
 from tests import tiny_models
 from tests.conftest import EVAL_TEXT, REPO, tiny_params
 
@@ -28,7 +31,7 @@ def test_manifest_records_every_matrix_at_the_variants_width(built, variant, bit
 
 
 def test_int8_recipe_records_what_its_params_keep_float(built, tmp_path):
-    cfg = QuantizeConfig(method="int8_dynamic", keep_float=("down_proj",))
+    cfg = quantize_config(method="int8_dynamic", keep_float=("down_proj",))
     result = quantize.run(cfg, built["optimized"], built["hf"], tmp_path / "v", {}, CALIBRATION)
     manifest = read_manifest(result.out_dir)
     assert manifest["kept_float"] and all("down_proj" in node for node in manifest["kept_float"])
@@ -39,7 +42,7 @@ def test_int8_recipe_records_what_its_params_keep_float(built, tmp_path):
 
 
 def test_a_linear_left_float_fails_validation_naming_it(built, params, tmp_path, monkeypatch):
-    every = weight_only.linear_layers
+    every = layers.linear_layers
     monkeypatch.setattr(weight_only, "linear_layers", lambda model: every(model)[1:])  # a quantizer that misses one
     skipped = every(onnx_io.load(built["optimized"], with_weights=False))[0].node.name
     out = tmp_path / "int4"
@@ -54,7 +57,7 @@ def test_a_linear_left_float_fails_validation_naming_it(built, params, tmp_path,
 def optimized_model(tmp_path, **config):
     """A tiny LLaMA of the given dimensions through download, export and optimize."""
     from tasks import download, export, optimize
-    from tasks.params import Params
+    from tasks.core.params import Params
 
     params = Params.model_validate(tiny_params(tiny_models.build_hf_model(tmp_path / "src", EVAL_TEXT, **config)))
     download.run(params.model("tiny"), tmp_path / "hf")
@@ -64,7 +67,7 @@ def optimized_model(tmp_path, **config):
 
 def test_hidden_size_the_block_does_not_divide_gets_a_smaller_block(tmp_path):
     optimized_model(tmp_path, hidden_size=96, num_attention_heads=6, intermediate_size=128)
-    cfg = QuantizeConfig(method="weight_only", block_size=64)
+    cfg = quantize_config(method="weight_only", block_size=64)
     quantize.run(cfg, tmp_path / "optimized", tmp_path / "hf", tmp_path / "v", {"model": "odd"})
     manifest = read_manifest(tmp_path / "v")
     assert manifest["coverage"]["linear"] == {"4": manifest["coverage"]["linear"]["4"]}  # every linear at 4 bits
@@ -76,5 +79,5 @@ def test_hidden_size_the_block_does_not_divide_gets_a_smaller_block(tmp_path):
 def test_a_k_no_block_divides_is_refused_before_work(tmp_path):
     optimized_model(tmp_path, intermediate_size=72)  # down_proj reads 72 = 8 x 9 inputs
     with pytest.raises(StageError, match="has K=72 inputs, which no block of 16 or more divides"):
-        quantize.run(QuantizeConfig(method="weight_only"), tmp_path / "optimized", tmp_path / "hf", tmp_path / "v", {})
+        quantize.run(quantize_config(method="weight_only"), tmp_path / "optimized", tmp_path / "hf", tmp_path / "v", {})
     assert not (tmp_path / "v").exists()

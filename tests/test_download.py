@@ -12,9 +12,9 @@ import pytest
 
 from ortforge.manifest import sha256_file
 from tasks import download
-from tasks.params import ModelSpec
-from tasks.paths import PINNED_SOURCE
-from tasks.stage import StageError
+from tasks.core.params import ModelSpec
+from tasks.core.paths import PINNED_SOURCE
+from tasks.core.stage import StageError
 from tests import tiny_models
 from tests.conftest import EVAL_TEXT
 

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from ortforge import names
-from tasks import export, onnx_io
-from tasks.params import ExportConfig
-from tasks.stage import StageError
+from tasks import export
+from tasks.core.params import ExportConfig
+from tasks.core.stage import StageError
+from tasks.graphs import onnx_io
 from tests import families
 from tests.conftest import EVAL_TEXT
 
@@ -112,7 +113,7 @@ def test_run_refuses_folder_without_config(tmp_path):
 
 def test_expected_windows_follow_the_config():
     arch = families.config_for("gemma3")
-    from tasks.architecture import Architecture
+    from tasks.graphs.architecture import Architecture
 
     dims = Architecture(
         "gemma3_text", "Gemma3ForCausalLM", 2, 64, 4, 2, 32, 1024, 384, True, 8, tuple(arch.layer_types)

@@ -12,10 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from tasks import download, gguf_convert, gguf_tokenizer, tokenizer_reference
-from tasks.gguf_tokenizer import CONTROL
-from tasks.params import ModelSpec
-from tasks.stage import StageError
+from tasks import download
+from tasks.core.params import ModelSpec
+from tasks.core.stage import StageError
+from tasks.sources import gguf, tokenizer_reference
+from tasks.sources import tokenizer as gguf_tokenizer  # `tokenizer` names the built ones below
+from tasks.sources.tokenizer import CONTROL
 from tests import tiny_models
 from tests.conftest import EVAL_TEXT, REPO
 
@@ -36,7 +38,7 @@ def ggufs(tiny_hf, tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def vocabs(ggufs) -> dict[str, gguf_tokenizer.Vocab]:
-    return {kind: gguf_convert.read_info(path).vocab for kind, path in ggufs.items()}
+    return {kind: gguf.read_info(path).vocab for kind, path in ggufs.items()}
 
 
 def backend(vocab: gguf_tokenizer.Vocab):

@@ -8,7 +8,7 @@ import sys
 import textwrap
 
 from ortforge.manifest import file_records
-from tasks.files import remove_abandoned_temporaries
+from tasks.core.files import remove_abandoned_temporaries
 from tests.conftest import run_module, tiny_params, write_params
 
 # Runs the quantize stage's entry point, but SIGKILLs the process right after the model file is
@@ -16,7 +16,7 @@ from tests.conftest import run_module, tiny_params, write_params
 KILLED_MID_WRITE = textwrap.dedent(
     """
     import os, runpy, signal, sys
-    from tasks import onnx_io
+    from tasks.graphs import onnx_io
 
     real_save = onnx_io.save
 

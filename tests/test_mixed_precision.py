@@ -6,17 +6,20 @@ from __future__ import annotations
 import pytest
 
 from ortforge.manifest import read_manifest
-from tasks import coverage, onnx_io, quantize
-from tasks.files import folder_bytes
-from tasks.params import CalibrationConfig, QuantizeConfig
-from tasks.stage import StageError
+from tasks import quantize
+from tasks.core.files import folder_bytes
+from tasks.core.params import CalibrationConfig
+from tasks.core.stage import StageError
+from tasks.graphs import onnx_io
+from tasks.quantization import coverage
+from tasks.quantization.configs import QuantizeConfig, quantize_config
 from tests.conftest import REPO
 
 CALIBRATION = CalibrationConfig(text=REPO / "data/calibration/python-docs.txt", samples=2, tokens=32)
 
 
 def budgeted(mb: float) -> QuantizeConfig:
-    return QuantizeConfig(method="weight_only", algorithm="rtn", zero_point="float", output_bits=4, size_budget_mb=mb)
+    return quantize_config(method="weight_only", algorithm="rtn", zero_point="float", output_bits=4, size_budget_mb=mb)
 
 
 def test_parts_raised_to_eight_bits_by_measured_damage_within_the_budget(built, tmp_path):
@@ -34,7 +37,7 @@ def test_parts_raised_to_eight_bits_by_measured_damage_within_the_budget(built, 
         ratio[part] for part in ratio if part not in table["eight_bit"]
     )  # the best damage per megabyte went first
     assert folder_bytes(result.out_dir, "model.onnx*") / 1e6 <= budget * 1.05
-    params = QuantizeConfig.model_construct(**manifest["params"])  # what validate checks against
+    params = quantize_config(**manifest["params"])  # what validate checks against
     found = coverage.weights(onnx_io.load(result.out_dir, with_weights=False))
     assert coverage.shortfall(params, found, set()) == (1.0, [])
     eight = {w.layer for w in found if w.role == "linear" and w.bits == 8}

@@ -10,8 +10,8 @@ import pytest
 
 from ortforge import TextGenerator
 from ortforge.session import create_session
-from tasks import onnx_io
-from tasks.errors import StageError
+from tasks.core.errors import StageError
+from tasks.graphs import onnx_io
 
 
 def test_save_uses_external_data_for_large_graphs(built, tmp_path, monkeypatch):

@@ -7,8 +7,9 @@ import json
 
 from onnx import numpy_helper
 
-from tasks import onnx_io, optimize
-from tasks.params import OptimizeConfig
+from tasks import optimize
+from tasks.core.params import OptimizeConfig
+from tasks.graphs import onnx_io
 
 
 def test_fuse_records_fusions_and_op_counts(built_optimum, tmp_path):

@@ -6,9 +6,10 @@ import pytest
 
 from ortforge import TextGenerator, names
 from ortforge.manifest import mismatched_files, read_manifest
-from tasks import onnx_io, quantize
-from tasks.params import QuantizeConfig
-from tasks.stage import StageError
+from tasks import quantize
+from tasks.core.stage import StageError
+from tasks.graphs import onnx_io
+from tasks.quantization.configs import quantize_config
 
 
 @pytest.mark.parametrize("variant", ["fp32", "int8", "int4"])
@@ -35,14 +36,14 @@ def test_variants_use_their_quantized_operators(built):
 @pytest.mark.parametrize(
     "cfg, operator",
     [
-        (QuantizeConfig(method="int8_dynamic"), "DynamicQuantizeMatMul"),
-        (QuantizeConfig(method="int8_static", calibrate="minmax"), "QuantizeLinear"),
-        (QuantizeConfig(method="int8_static", calibrate="percentile", keep_float=("down_proj",)), "QuantizeLinear"),
+        (quantize_config(method="int8_dynamic"), "DynamicQuantizeMatMul"),
+        (quantize_config(method="int8_static", calibrate="minmax"), "QuantizeLinear"),
+        (quantize_config(method="int8_static", calibrate="percentile", keep_float=("down_proj",)), "QuantizeLinear"),
     ],
     ids=["dynamic", "static-minmax", "static-percentile-keep-down"],
 )
 def test_onnxruntime_int8_recipes_build_running_variants(built, tmp_path, cfg, operator):
-    from tasks.params import CalibrationConfig
+    from tasks.core.params import CalibrationConfig
     from tests.conftest import REPO
 
     calibration = CalibrationConfig(text=REPO / "data/calibration/python-docs.txt", samples=2, tokens=32)
@@ -61,13 +62,13 @@ def test_onnxruntime_int8_recipes_build_running_variants(built, tmp_path, cfg, o
 
 
 def test_run_checks_calibration_text_before_quantizing(built, tmp_path):
-    from tasks.params import CalibrationConfig
+    from tasks.core.params import CalibrationConfig
 
     short = tmp_path / "short.txt"
     short.write_text("too short")
     with pytest.raises(StageError, match="short.txt has .* tokens, fewer than samples x tokens"):
         quantize.run(
-            QuantizeConfig(method="int8_static"),
+            quantize_config(method="int8_static"),
             built["optimized"],
             built["hf"],
             tmp_path / "v",
@@ -88,7 +89,7 @@ def test_manifest_detects_a_modified_file(built, tmp_path):
 
 
 def test_fp16_variant_keeps_float32_interface(built, tmp_path):
-    result = quantize.run(QuantizeConfig(method="fp16"), built["optimized"], built["hf"], tmp_path / "fp16", {})
+    result = quantize.run(quantize_config(method="fp16"), built["optimized"], built["hf"], tmp_path / "fp16", {})
     graph = onnx_io.load(result.out_dir, with_weights=False)
     assert graph.graph.input[3].type.tensor_type.elem_type == 1  # FLOAT
     assert TextGenerator(result.out_dir).generate("the", 3)
@@ -96,5 +97,5 @@ def test_fp16_variant_keeps_float32_interface(built, tmp_path):
 
 def test_run_requires_optimized_model(built, tmp_path):
     with pytest.raises(StageError, match="has no model.onnx; run the optimize stage first"):
-        quantize.run(QuantizeConfig(method="fp32"), tmp_path, built["hf"], tmp_path / "out", {})
+        quantize.run(quantize_config(method="fp32"), tmp_path, built["hf"], tmp_path / "out", {})
     assert not (tmp_path / "out").exists()

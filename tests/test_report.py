@@ -7,8 +7,8 @@ import json
 import pytest
 
 from tasks import report
-from tasks.params import ReportConfig
-from tasks.stage import StageError
+from tasks.core.params import ReportConfig
+from tasks.core.stage import StageError
 
 # variant: (ppl ratio, size MB, decode tokens/s)
 FIGURES = {

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from tasks import report
-from tasks.params import ReportConfig
+from tasks.core.params import ReportConfig
 from tests.browser import evaluate, find_browser, open_page
 from tests.test_report import FIGURES, fake_reports, report_outputs
 

@@ -7,7 +7,8 @@ from collections import namedtuple
 
 import pytest
 
-from tasks import export, resources
+from tasks import export
+from tasks.core import resources
 from tests.conftest import tiny_params, write_params
 
 DiskUsage = namedtuple("DiskUsage", "total used free")
@@ -56,7 +57,7 @@ def test_estimate_scales_with_input_and_can_be_overridden(built, stage_dir, monk
 
 
 def test_every_heavy_stage_has_an_estimate():
-    from tasks.versions import STAGES
+    from tasks.core.versions import STAGES
 
     # download checks its source itself (its input is a params entry); report reads small JSON.
     assert set(resources.STAGE_NEEDS) == set(STAGES) - {"download", "report"}

@@ -3,6 +3,7 @@ streaming equals non-streaming, and multi-byte characters are never split."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 
@@ -10,7 +11,8 @@ import numpy as np
 import pytest
 
 from ortforge import Decoder, IncrementalDetokenizer, SessionSettings, TextGenerator, create_session
-from tasks.evaluation import cached_decode_gap, full_pass_logits
+from tasks.evaluation.metrics import cached_decode_gap, full_pass_logits
+from tests.conftest import REPO
 
 
 @pytest.fixture(scope="module", params=["genai", "optimum"])
@@ -135,6 +137,18 @@ def test_runtime_imports_without_build_tools(built):
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_no_runtime_module_imports_the_build_side():
+    """Every module under ortforge/, the CLI included, imports neither tasks/ nor flows/ (the build
+    commands reach the CLI through entry points)."""
+    found = []
+    for module in (REPO / "ortforge").rglob("*.py"):
+        for node in ast.walk(ast.parse(module.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            found += [f"{module.name}: {n}" for n in names if n.split(".")[0] in ("tasks", "flows")]
+    assert found == []
 
 
 def test_shared_cache_matches_chained_cache_past_its_first_capacity(built):

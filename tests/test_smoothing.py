@@ -7,9 +7,13 @@ import numpy as np
 import pytest
 
 from ortforge import Decoder, TextGenerator, create_session, names
-from tasks import architecture, calibration, onnx_io, quantize, smoothing
-from tasks.evaluation import full_pass_logits
-from tasks.params import CalibrationConfig, QuantizeConfig
+from ortforge.manifest import read_manifest
+from tasks import quantize
+from tasks.core.params import CalibrationConfig
+from tasks.evaluation.metrics import full_pass_logits
+from tasks.graphs import architecture, onnx_io
+from tasks.quantization import calibration, smoothing
+from tasks.quantization.configs import needs_calibration, quantize_config
 from tests.conftest import REPO
 
 CALIBRATION = CalibrationConfig(text=REPO / "data/calibration/python-docs.txt", samples=2, tokens=32)
@@ -58,20 +62,29 @@ def test_outlier_ratio_is_the_peak_token_against_the_median_token():
 
 
 def test_smoothed_int8_recipe_builds_a_running_variant(built, tmp_path):
-    cfg = QuantizeConfig(
+    cfg = quantize_config(
         method="int8_dynamic", weight_type="QInt8", per_channel=True, smooth_alpha=0.5, outlier_ratio=1.5
     )
-    assert cfg.needs_calibration
+    assert needs_calibration(cfg)
     result = quantize.run(cfg, built["optimized"], built["hf"], tmp_path / "v", {}, CALIBRATION)
     graph = onnx_io.load(result.out_dir, with_weights=False)
     ops = onnx_io.op_counts(graph)
     assert "MatMulInteger" in ops or "DynamicQuantizeMatMul" in ops
-    assert ops.get("MatMul", 0) >= 1  # a low ratio keeps the inputs with the most outlying tokens float
+    # A low ratio keeps float exactly the linears whose inputs carry outlier tokens, says why, and
+    # quantizes every other linear.
+    source = onnx_io.load(built["optimized"], with_weights=False)
+    weights = {t.name for t in source.graph.initializer}
+    linears = {n.name for n in source.graph.node if n.op_type == "MatMul" and n.input[1] in weights}
+    kept = read_manifest(result.out_dir)["kept_float"]
+    assert kept and set(kept) < linears
+    assert all("the median token's peak (above 1.5)" in why for why in kept.values())
+    still_float = {n.name for n in graph.graph.node if n.op_type == "MatMul"}
+    assert linears & still_float == set(kept)
     assert TextGenerator(result.out_dir).generate("the", 3)
 
 
 def test_smoothing_options_belong_to_int8_methods():
-    with pytest.raises(ValueError, match="smooth_alpha does not apply to method weight_only"):
-        QuantizeConfig(method="weight_only", smooth_alpha=0.5)
+    with pytest.raises(ValueError, match="`smooth_alpha` does not apply to method weight_only"):
+        quantize_config(method="weight_only", smooth_alpha=0.5)
     with pytest.raises(ValueError, match="outlier_ratio"):
-        QuantizeConfig(method="int8_dynamic", outlier_ratio=0.5)
+        quantize_config(method="int8_dynamic", outlier_ratio=0.5)

@@ -48,7 +48,7 @@ def c_locale_env() -> dict[str, str]:
 def validated_project(built, params, folder):
     """A repository root holding the tiny int4 variant, validated, as `ortforge generate` expects."""
     from tasks import validate
-    from tasks.params import Thresholds
+    from tasks.core.params import Thresholds
 
     write_params(folder, tiny_params(built["hf"]))
     variant = folder / "artifacts" / "tiny" / "variants" / "int4"

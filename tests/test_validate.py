@@ -11,9 +11,9 @@ import pytest
 
 from ortforge.manifest import check_validated, validation_stamp
 from tasks import validate
-from tasks.evaluation import Reference
-from tasks.params import Thresholds
-from tasks.stage import StageError
+from tasks.core.params import Thresholds
+from tasks.core.stage import StageError
+from tasks.evaluation.metrics import Reference
 
 LOOSE = Thresholds(ppl_ratio=1e9, kl_divergence=1e9, top1_agreement=0.0, greedy_agreement=0.0, kv_max_prob_diff=1.0)
 GATES = {"ppl_ratio", "kl_divergence", "top1_agreement", "greedy_agreement"}

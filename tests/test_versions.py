@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from tasks.errors import StageError
-from tasks.versions import STAGES, check_installed, lineage_versions, load_pins, stage_tools
+from tasks.core.errors import StageError
+from tasks.core.versions import STAGES, check_installed, lineage_versions, load_pins, stage_tools
 from tests.conftest import REPO
 
 

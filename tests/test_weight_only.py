@@ -11,9 +11,11 @@ import pytest
 from onnx import numpy_helper
 
 from ortforge import Decoder, create_session
-from tasks import onnx_io, weight_only
-from tasks.evaluation import full_pass_logits
-from tasks.params import QuantizeConfig
+from tasks.evaluation.metrics import full_pass_logits
+from tasks.graphs import onnx_io
+from tasks.quantization import codes as block_codes
+from tasks.quantization import layers, weight_only
+from tasks.quantization.configs import QuantizeConfig, quantize_config
 
 IDS = np.array([5, 17, 99, 250, 3, 7, 11, 200, 42, 8])
 
@@ -31,26 +33,26 @@ def q4_1_grid(rng, k=64, n=48, block=32) -> np.ndarray:
 
 def test_float_zero_points_reproduce_a_q4_1_grid_exactly():
     weights = q4_1_grid(np.random.default_rng(0))
-    codes = weight_only.round_to_nearest(weights, bits=4, block=32, zero_point="float")
+    codes = block_codes.round_to_nearest(weights, bits=4, block=32, zero_point="float")
     np.testing.assert_allclose(codes.dequantize(), weights, atol=1e-6)
-    integer = weight_only.round_to_nearest(weights, bits=4, block=32, zero_point="integer")
+    integer = block_codes.round_to_nearest(weights, bits=4, block=32, zero_point="integer")
     assert np.abs(integer.dequantize() - weights).max() > 1e-3  # what rounding the zero point costs
 
 
-def effective_weights(codes: weight_only.BlockCodes) -> np.ndarray:
+def effective_weights(codes: block_codes.BlockCodes) -> np.ndarray:
     """W that the graph multiplies by: float zero points go through offset rows on block sums."""
-    if np.all(codes.zeros == codes.mid) or weight_only.is_integer_grid(codes):
+    if np.all(codes.zeros == codes.mid) or block_codes.is_integer_grid(codes):
         return codes.dequantize()
     k = codes.codes.shape[1]
-    rows = weight_only.offset_rows(codes).dequantize()
+    rows = block_codes.offset_rows(codes).dequantize()
     return rows[:k] + np.repeat(rows[k : k + k // codes.block], codes.block, axis=0)
 
 
 def test_offset_rows_keep_float_zero_points_far_closer_than_rounding_them():
     rng = np.random.default_rng(1)
     weights = q4_1_grid(rng, k=128, n=64)
-    codes = weight_only.round_to_nearest(weights, bits=4, block=32, zero_point="float")
-    rounded = weight_only.BlockCodes(codes.codes, codes.scales, np.round(codes.zeros), 4, 32)
+    codes = block_codes.round_to_nearest(weights, bits=4, block=32, zero_point="float")
+    rounded = block_codes.BlockCodes(codes.codes, codes.scales, np.round(codes.zeros), 4, 32)
     x = rng.normal(size=(16, 128))
     exact = x @ weights
     with_rows = np.abs(x @ effective_weights(codes) - exact).mean()
@@ -61,7 +63,7 @@ def test_offset_rows_keep_float_zero_points_far_closer_than_rounding_them():
 @pytest.mark.parametrize("bits", [4, 8])
 def test_round_to_nearest_error_is_within_half_a_step(zero_point, bits):
     weights = np.random.default_rng(1).standard_normal((64, 40)).astype(np.float32)
-    codes = weight_only.round_to_nearest(weights, bits=bits, block=32, zero_point=zero_point)
+    codes = block_codes.round_to_nearest(weights, bits=bits, block=32, zero_point=zero_point)
     step = np.abs(np.repeat(codes.scales, 32, axis=1).T)
     # Symmetric grids are one level short on one side ([-mid, mid - 1]), so values there clip; the
     # float16 scale adds up to 2**-11 of the code's distance from zero (0.07 step at 8 bits).
@@ -74,8 +76,8 @@ def test_importance_search_lowers_weighted_error():
     rng = np.random.default_rng(2)
     weights = rng.standard_normal((64, 256)).astype(np.float32) * np.where(rng.random((64, 1)) < 0.1, 8.0, 1.0)
     importance = rng.uniform(0.01, 1.0, 64) ** 4
-    plain = weight_only.round_to_nearest(weights, bits=4, block=32, zero_point="integer")
-    searched = weight_only.importance_search(weights, importance, bits=4, block=32, zero_point="integer")
+    plain = block_codes.round_to_nearest(weights, bits=4, block=32, zero_point="integer")
+    searched = block_codes.importance_search(weights, importance, bits=4, block=32, zero_point="integer")
 
     def weighted_error(codes):
         return float((importance[:, None] * (codes.dequantize() - weights) ** 2).sum())
@@ -87,13 +89,13 @@ def weights_swapped_for(model, cfg: QuantizeConfig):
     """The float model with every weight replaced by what its codes dequantize to."""
     model = copy.deepcopy(model)
     initializers = {t.name: t for t in model.graph.initializer}
-    for linear in weight_only.linear_layers(model):
+    for linear in layers.linear_layers(model):
         w = numpy_helper.to_array(initializers[linear.weight_name])
-        codes = weight_only.round_to_nearest(w, cfg.bits, cfg.block_size, cfg.zero_point)
+        codes = block_codes.round_to_nearest(w, cfg.bits, cfg.block_size, cfg.zero_point)
         initializers[linear.weight_name].CopyFrom(numpy_helper.from_array(effective_weights(codes), linear.weight_name))
-    head = weight_only.output_layer(model)
+    head = layers.output_layer(model)
     zero_point = "none" if cfg.zero_point == "none" else "integer"
-    dequantized = weight_only.round_to_nearest(head.weight, cfg.output_bits, cfg.block_size, zero_point).dequantize()
+    dequantized = block_codes.round_to_nearest(head.weight, cfg.output_bits, cfg.block_size, zero_point).dequantize()
     stored = initializers[head.weight_initializer]
     # optimum stores the embedding table [vocab, hidden]; the genai builder the output weight [hidden, vocab].
     array = dequantized if tuple(stored.dims) == dequantized.shape else dequantized.T.copy()
@@ -107,7 +109,7 @@ def quantize(model, cfg: QuantizeConfig, hessians=None):
 
 def logits_of(model, folder, hf):
     """Logits on IDS through the runtime, the model tagged as the quantize stage tags it."""
-    from tasks import architecture
+    from tasks.graphs import architecture
     from tasks.quantize import tag_for_runtime
 
     tag_for_runtime(model, architecture.read(hf))
@@ -118,7 +120,7 @@ def logits_of(model, folder, hf):
 
 @pytest.mark.parametrize("zero_point", ["float", "integer", "none"])
 def test_quantized_graph_computes_what_its_codes_say(built, tmp_path, zero_point):
-    cfg = QuantizeConfig(method="weight_only", zero_point=zero_point, accuracy_level=0)
+    cfg = quantize_config(method="weight_only", zero_point=zero_point, accuracy_level=0)
     optimized = onnx_io.load(built["optimized"])
     quantized = quantize(copy.deepcopy(optimized), cfg)
     expected = logits_of(weights_swapped_for(optimized, cfg), tmp_path / "simulated", built["hf"])
@@ -128,7 +130,7 @@ def test_quantized_graph_computes_what_its_codes_say(built, tmp_path, zero_point
 
 
 def test_tied_vocabulary_is_stored_once(built):
-    model = quantize(onnx_io.load(built["optimized"]), QuantizeConfig(method="weight_only"))
+    model = quantize(onnx_io.load(built["optimized"]), quantize_config(method="weight_only"))
     vocab, hidden = 384, 64
     vocab_sized = {t.name for t in model.graph.initializer if t.dims and t.dims[0] == vocab}
     assert vocab_sized == {"lm_head/q", "lm_head/scales_fp16", "lm_head/zero_points"}
@@ -144,14 +146,14 @@ def test_tied_vocabulary_is_stored_once(built):
 def test_block_sums_only_for_float_zero_points(built):
     optimized = onnx_io.load(built["optimized"])
     for zero_point, offsets in (("float", True), ("integer", False), ("none", False)):
-        model = quantize(copy.deepcopy(optimized), QuantizeConfig(method="weight_only", zero_point=zero_point))
+        model = quantize(copy.deepcopy(optimized), quantize_config(method="weight_only", zero_point=zero_point))
         concats = [n for n in model.graph.node if n.name.endswith("/block_sum32/Concat")]
         assert bool(concats) is offsets, zero_point
         assert "MatMul" not in {n.op_type for n in model.graph.node}  # the offsets ride in MatMulNBits
 
 
 def test_eight_bit_blocks_and_output_bits(built):
-    cfg = QuantizeConfig(method="weight_only", output_bits=8, eight_bit_blocks=(0, -1))
+    cfg = quantize_config(method="weight_only", output_bits=8, eight_bit_blocks=(0, -1))
     model = quantize(onnx_io.load(built["optimized"]), cfg)
     bits = {
         n.name: next(a.i for a in n.attribute if a.name == "bits")
@@ -165,24 +167,24 @@ def test_eight_bit_blocks_and_output_bits(built):
 
 
 def test_output_bits_32_keeps_the_float_output_layer(built):
-    model = quantize(onnx_io.load(built["optimized"]), QuantizeConfig(method="weight_only", output_bits=32))
+    model = quantize(onnx_io.load(built["optimized"]), quantize_config(method="weight_only", output_bits=32))
     logits = next(n for n in model.graph.node if n.output[0] == "logits")
     assert logits.op_type == "MatMul" and any(n.op_type == "Gather" for n in model.graph.node)
 
 
 @pytest.mark.parametrize("algorithm, zero_point", [("hqq", "float"), ("gptq", "integer"), ("imatrix", "integer")])
 def test_data_aware_and_hqq_algorithms_build_running_models(built, tmp_path, algorithm, zero_point):
-    from tasks import calibration
-    from tasks.params import CalibrationConfig
+    from tasks.core.params import CalibrationConfig
+    from tasks.quantization import calibration
     from tests.conftest import REPO
 
-    cfg = QuantizeConfig(method="weight_only", algorithm=algorithm, zero_point=zero_point, output_algorithm="imatrix")
+    cfg = quantize_config(method="weight_only", algorithm=algorithm, zero_point=zero_point, output_algorithm="imatrix")
     model = onnx_io.load(built["optimized"])
     chunks = calibration.token_chunks(
         CalibrationConfig(text=REPO / "data/calibration/python-docs.txt", samples=2, tokens=32),
         built["hf"] / "tokenizer.json",
     )
-    hessians = calibration.input_hessians(model, weight_only.calibrated_inputs(model, cfg), chunks, head_dim=16)
+    hessians = calibration.input_hessians(model, layers.calibrated_inputs(model, cfg), chunks, head_dim=16)
     assert all(h.shape[0] == h.shape[1] and np.all(np.diag(h) >= 0) for h in hessians.values())
     quantized = quantize(model, cfg, hessians)
     logits = logits_of(quantized, tmp_path / algorithm, built["hf"])
@@ -191,14 +193,14 @@ def test_data_aware_and_hqq_algorithms_build_running_models(built, tmp_path, alg
 
 def test_linears_reading_one_input_become_one_matmul(built):
     optimized = onnx_io.load(built["optimized"])
-    linears = weight_only.linear_layers(optimized)
-    model = quantize(copy.deepcopy(optimized), QuantizeConfig(method="weight_only"))
+    linears = layers.linear_layers(optimized)
+    model = quantize(copy.deepcopy(optimized), quantize_config(method="weight_only"))
     splits = [n for n in model.graph.node if n.op_type == "Split"]
     readers = [n.input[0] for n in model.graph.node if n.op_type == "MatMulNBits" and n.name != "lm_head/MatMulNBits"]
     assert len(readers) == len(set(readers)) == len({linear.node.input[0] for linear in linears}) < len(linears)
     assert {out for split in splits for out in split.output} == {
         linear.node.output[0]
-        for group in weight_only.sibling_groups(linears, weight_only.layer_blocks(linears, 32)[0])
+        for group in layers.sibling_groups(linears, layers.layer_blocks(linears, 32)[0])
         if len(group) > 1
         for linear in group
     }

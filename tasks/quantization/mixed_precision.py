@@ -23,16 +23,19 @@ from pathlib import Path
 import numpy as np
 
 from ortforge import names
-from tasks import coverage, evaluation, onnx_io, weight_only
-from tasks.errors import StageError
-from tasks.params import EvalConfig, QuantizeConfig
+from tasks.core.errors import StageError
+from tasks.core.params import EvalConfig
+from tasks.evaluation import metrics
+from tasks.graphs import onnx_io
+from tasks.quantization import coverage, layers, weight_only
+from tasks.quantization.configs import QuantizeConfig
 
 log = logging.getLogger(__name__)
 
 MB = 1e6
 OUTPUT = "output"
 # Each calibration chunk is one sequence; the float model's 32 most likely tokens per position
-# carry the KL divergence (tasks/evaluation.py).
+# carry the KL divergence (tasks/evaluation/metrics.py).
 MEASURE = EvalConfig(window=512, top_k=32)
 
 
@@ -71,7 +74,7 @@ def _damage(measure: Measure, cfg: QuantizeConfig, part, reference, scratch: Pat
     folder.mkdir()
     onnx_io.save(candidate, folder, external_data=True)  # moves the copy's weights to the file
     decoder = _decoder(folder, measure.head_dim, _layout(measure.model))
-    kl = np.mean([evaluation.compare(decoder, ref, MEASURE, len(ref.ids) - 1)["kl_divergence"] for ref in reference])
+    kl = np.mean([metrics.compare(decoder, ref, MEASURE, len(ref.ids) - 1)["kl_divergence"] for ref in reference])
     stored = sum(
         w.stored_bytes
         for w in coverage.weights(candidate)
@@ -80,14 +83,14 @@ def _damage(measure: Measure, cfg: QuantizeConfig, part, reference, scratch: Pat
     return float(kl), stored
 
 
-def _references(model_dir: Path, layout: str, chunks, head_dim: int) -> list[evaluation.TextReference]:
+def _references(model_dir: Path, layout: str, chunks, head_dim: int) -> list[metrics.TextReference]:
     decoder = _decoder(model_dir, head_dim, layout)
     empty = np.zeros(0, dtype=np.int64)
     found = []
     for chunk in chunks:
         ids = np.concatenate([chunk, chunk[-1:]])  # every token of the chunk scored (the last one twice)
-        scores, _ = evaluation.score_reference(decoder, ids, MEASURE, len(ids) - 1)
-        found.append(evaluation.TextReference(ids=ids, greedy_prompt=empty, greedy_tokens=empty, **scores))
+        scores, _ = metrics.score_reference(decoder, ids, MEASURE, len(ids) - 1)
+        found.append(metrics.TextReference(ids=ids, greedy_prompt=empty, greedy_tokens=empty, **scores))
     return found
 
 
@@ -147,7 +150,7 @@ def lowest_widths_bytes(model, cfg: QuantizeConfig) -> dict[str, float]:
     """Estimated bytes of every initializer with each quantized matrix at its lowest width (codes,
     a float16 scale and a zero point per block), the rest float."""
     parts = _quantized_names(model)
-    head = weight_only.output_layer(model)
+    head = layers.output_layer(model)
     output = {head.weight_initializer} if head is not None else set()
     sizes = {}
     for tensor in model.graph.initializer:
@@ -175,8 +178,8 @@ def check_floor_fits(model, cfg: QuantizeConfig) -> None:
 
 def _quantized_names(model) -> set[str]:
     """The initializers a weight-only variant stores as codes: linears, output layer, token embedding."""
-    names = {lin.weight_name for lin in weight_only.linear_layers(model)}
-    head, embedding = weight_only.output_layer(model), weight_only.token_embedding(model)
+    names = {lin.weight_name for lin in layers.linear_layers(model)}
+    head, embedding = layers.output_layer(model), layers.token_embedding(model)
     names |= {head.weight_initializer} if head is not None else set()
     names |= {embedding[1].name} if embedding is not None else set()
     return names
@@ -186,11 +189,11 @@ def _floor_bytes(model, cfg: QuantizeConfig, measured: dict) -> float:
     """The variant's size with every part at its lowest width: the estimate, with the measured
     parts' own stored bytes in place of theirs."""
     estimate = lowest_widths_bytes(model, cfg)
-    head = weight_only.output_layer(model)
+    head = layers.output_layer(model)
     by_part = {OUTPUT: {head.weight_initializer} if head is not None else set()}
-    for linear in weight_only.linear_layers(model):
+    for linear in layers.linear_layers(model):
         by_part.setdefault(linear.layer, set()).add(linear.weight_name)
-    embedding = weight_only.token_embedding(model)
+    embedding = layers.token_embedding(model)
     if embedding is not None:
         by_part[OUTPUT].add(embedding[1].name)
     replaced = {name for part in measured for name in by_part.get(part, ())}

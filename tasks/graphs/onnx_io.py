@@ -8,7 +8,7 @@ from collections import Counter
 from pathlib import Path
 
 from ortforge.names import LOGITS, MODEL_FILE
-from tasks.errors import StageError
+from tasks.core.errors import StageError
 
 # protobuf cannot serialize 2 GiB; leave room for the graph itself.
 EXTERNAL_DATA_ABOVE_BYTES = 1_800_000_000

@@ -1,5 +1,5 @@
 """Engine-agnostic measurements of a decoder: anything with `empty_cache()` and
-`forward(token_ids, cache) -> (logits, cache)` (ortforge.Decoder, tasks.torch_decoder.TorchDecoder).
+`forward(token_ids, cache) -> (logits, cache)` (ortforge.Decoder, tasks.evaluation.torch_decoder.TorchDecoder).
 The reference and validate stages run the very same code on PyTorch and on ONNX Runtime.
 
 Each evaluation text is scored in sequences no longer than the model's context (each from an empty
@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 
 from ortforge.greedy import greedy_tokens
-from tasks.errors import StageError
-from tasks.files import atomic_write_json, read_json
-from tasks.params import EvalConfig
+from tasks.core.errors import StageError
+from tasks.core.files import atomic_write_json, read_json
+from tasks.core.params import EvalConfig
 
 ARRAYS_FILE = "reference.npz"
 FIGURES_FILE = "reference.json"

@@ -9,7 +9,7 @@ vocabularies (Gemma 3 splits "The capital of France is" into 11 tokens instead o
 pre-tokenizer of byte-level ones (SmolLM2 must split digits one by one) and adds a BOS the file says
 not to add. Instead we build what llama.cpp runs, for the two vocabulary kinds it calls "llama"
 (SentencePiece BPE with scores) and "gpt2" (byte-level BPE with merges and a named pre-tokenizer);
-tasks/tokenizer_reference.py checks the result against independent implementations.
+tasks/sources/tokenizer_reference.py checks the result against independent implementations.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from tasks.errors import StageError
+from tasks.core.errors import StageError
 
 log = logging.getLogger(__name__)
 

@@ -16,24 +16,17 @@ import importlib.metadata
 import re
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("tasks", "ortforge")
 OWN = (*PACKAGES, "flows", "benchmarks", "tests")  # this repository's top-level packages, never a tool
-# Plumbing that moves values and paths around without shaping any artifact's content: not a code
-# dependency of a stage, and not looked inside.
-INFRASTRUCTURE = frozenset(
-    {
-        "tasks/__init__.py",
-        "tasks/errors.py",
-        "tasks/imports.py",
-        "tasks/params.py",
-        "tasks/stage.py",
-        "tasks/paths.py",
-        "tasks/files.py",
-        "tasks/resources.py",  # preflight checks: they stop a stage, never shape its output
-        "tasks/versions.py",
-    }
-)
+# Plumbing that moves values and paths around without shaping any artifact's content (tasks/core/:
+# params, paths, the stage entry point, atomic files, preflight checks, versions), and the empty
+# package files of tasks/: not a code dependency of a stage, and not looked inside.
+PLUMBING = "tasks/core/"
+
+
+def is_plumbing(path: str) -> bool:
+    return path.startswith(PLUMBING) or (path.startswith("tasks/") and path.endswith("__init__.py"))
 
 
 def module_file(name: str, root: Path = REPO) -> Path | None:
@@ -64,7 +57,7 @@ def closure(start: str, root: Path = REPO) -> set[str]:
     seen, todo = set(), [start]
     while todo:
         current = todo.pop()
-        if current in seen or current in INFRASTRUCTURE:
+        if current in seen or is_plumbing(current):
             continue
         seen.add(current)
         for name in imported_names(root / current, root):

@@ -1,7 +1,7 @@
 """The pinned versions of the tools that shape artifacts (versions.yaml), which of them each stage
 uses, and the check that the installed ones match before a stage writes anything.
 
-Which tools a stage uses is read from its code (tasks/imports.py: the distributions its modules
+Which tools a stage uses is read from its code (tasks/core/imports.py: the distributions its modules
 import and what those require), not written down: dvc.yaml lists the same pins as params of each
 stage (tests/test_contract.py checks they agree), so a pin change reruns exactly the stages whose
 code reaches that tool.
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import yaml
 
-from tasks import imports
-from tasks.errors import StageError
+from tasks.core import imports
+from tasks.core.errors import StageError
 
 PINS_FILE = Path("versions.yaml")
 STAGES = ("download", "export", "optimize", "reference", "quantize", "validate", "bench", "report")

@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from tasks.errors import StageError
-from tasks.gguf_tokenizer import KINDS, PRE_TOKENIZERS, UNKNOWN, Vocab, split_merges
-from tasks.paths import PARITY_TEXT
+from tasks.core.errors import StageError
+from tasks.core.paths import PARITY_TEXT
+from tasks.sources.tokenizer import KINDS, PRE_TOKENIZERS, UNKNOWN, Vocab, split_merges
 
 Encoder = Callable[[str], list[int]]
 
@@ -180,7 +180,7 @@ def _difference(vocab: Vocab, text: str, start: int, fragment: str, encoding, th
         f"the tokenizer built from the GGUF's {KINDS[vocab.model]} vocabulary differs from {reference} on the "
         f"parity text, {where} at {_shorten(fragment[at:], 24)} (token {first}): ours {ours[first : first + 8]}, "
         f"reference {theirs[first : first + 8]}; the model would see other ids than it was trained on, so use its "
-        f"Hugging Face repository as the source (kind: hub) or teach tasks/gguf_tokenizer.py this vocabulary"
+        f"Hugging Face repository as the source (kind: hub) or teach tasks/sources/tokenizer.py this vocabulary"
     )
 
 

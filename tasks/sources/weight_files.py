@@ -7,7 +7,7 @@ import json
 import struct
 from pathlib import Path
 
-from tasks.errors import StageError
+from tasks.core.errors import StageError
 
 MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024  # the safetensors library's own limit
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 
 from ortforge import names
-from tasks import onnx_io
-from tasks.errors import StageError
-from tasks.params import CalibrationConfig
+from tasks.core.errors import StageError
+from tasks.core.params import CalibrationConfig
+from tasks.graphs import onnx_io
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from ortforge import names
-from tasks.onnx_io import TOWARD_LOGITS
-from tasks.params import QuantizeConfig
+from tasks.graphs.onnx_io import TOWARD_LOGITS
+from tasks.quantization.configs import QuantizeConfig, kept_float_patterns
 
 LAYER_INDEX = re.compile(r"/layers\.(\d+)/|/h\.(\d+)/")  # LLaMA-style and GPT-2 node names
 # Nodes a weight passes through from its initializer to the matmul that reads it, and the width
@@ -177,7 +177,7 @@ def asked_bits(params: QuantizeConfig, weight: Weight, num_layers: int, kept_flo
     """The width the variant's params ask of one matrix; None where they ask nothing (lookups)."""
     if weight.role == "embedding":
         return None
-    if weight.node in kept_float or any(pattern in weight.node for pattern in params.keep_float):
+    if weight.node in kept_float or any(pattern in weight.node for pattern in kept_float_patterns(params)):
         return 32
     if params.method == "weight_only":
         if weight.role == "output":

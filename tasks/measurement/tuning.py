@@ -35,7 +35,7 @@ def dimensions(cores: int) -> dict[str, list]:
 def workload_seconds(model_dir: Path, settings: dict, prompt: list[int], new_tokens: int, repeats: int) -> float:
     from ortforge.decoder import Decoder
     from ortforge.session import SessionSettings
-    from tasks.timing import timed_generation
+    from tasks.measurement.timing import timed_generation
 
     decoder = Decoder.for_artifact(model_dir, SessionSettings.from_dict(settings))
     timed_generation(decoder, prompt, new_tokens)  # warm-up: first-run allocations and caches

@@ -29,11 +29,11 @@ def latency_png(rows, baseline) -> bytes:
     shown = rows + ([baseline] if baseline else [])
     names = [row.variant for row in shown]
     figure, (decode, first) = plt.subplots(1, 2, figsize=(12, 4.2))
-    p50 = [row.decode_ms_p50 for row in shown]
-    spread = [max(row.decode_ms_p95 - row.decode_ms_p50, 0.0) for row in shown]
+    p50 = [row.decode_ms_per_token_p50 for row in shown]
+    spread = [max(row.decode_ms_per_token_p95 - row.decode_ms_per_token_p50, 0.0) for row in shown]
     decode.bar(names, p50, yerr=[[0] * len(shown), spread], color="#3b75af", capsize=3)
     decode.set_ylabel("decode ms/token (bar p50, whisker p95)")
-    first.bar(names, [row.first_token_ms for row in shown], color="#e08a3c")
+    first.bar(names, [row.seconds_to_first_token_p50 * 1e3 for row in shown], color="#e08a3c")
     first.set_ylabel("time to first token, ms (p50)")
     for axis in (decode, first):
         axis.tick_params(axis="x", labelrotation=60, labelsize=8)

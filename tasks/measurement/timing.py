@@ -20,8 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
+from tasks.core.files import megabytes
+
 ORT, TORCH = "onnxruntime", "pytorch"
-REPO = Path(__file__).resolve().parents[1]  # children import tasks, ortforge and benchmarks from here
+REPO = Path(__file__).resolve().parents[2]  # children import tasks, ortforge and benchmarks from here
 
 
 def timed_generation(decoder, prompt: list[int], new_tokens: int) -> tuple[float, list[float]]:
@@ -41,7 +43,7 @@ def timed_generation(decoder, prompt: list[int], new_tokens: int) -> tuple[float
 
 def _load_decoder(engine: str, model_dir: Path, threads: int, session: dict | None):
     if engine == TORCH:
-        from tasks.torch_decoder import TorchDecoder
+        from tasks.evaluation.torch_decoder import TorchDecoder
 
         decoder = TorchDecoder(model_dir, threads)
         return decoder, decoder.torch.get_num_threads()
@@ -52,20 +54,46 @@ def _load_decoder(engine: str, model_dir: Path, threads: int, session: dict | No
     return Decoder.for_artifact(model_dir, settings), settings.intra_op_threads
 
 
+def timed_runs(once, warmup: int, repeats: int) -> dict:
+    """warmup untimed then `repeats` timed runs of once() -> (first-token seconds, step seconds),
+    and this process's peak memory: what every engine, ortforge's or a peer's, reports."""
+    for _ in range(warmup):
+        once()
+    runs = [once() for _ in range(repeats)]
+    return {
+        "first_token_s": [first for first, _ in runs],
+        "step_s": [list(steps) for _, steps in runs],
+        "peak_rss_mb": peak_rss_mb(),
+    }
+
+
 def measure_engine(engine: str, model_dir: str, prompt: list[int], cfg: dict, session: dict | None = None) -> dict:
     """Run in a fresh process: load, warm up, then time cfg['repeats'] generations."""
     started = time.perf_counter()
     decoder, threads = _load_decoder(engine, Path(model_dir), cfg["threads"], session)
     load_seconds = time.perf_counter() - started
-    for _ in range(cfg["warmup"]):
-        timed_generation(decoder, prompt, cfg["new_tokens"])
-    runs = [timed_generation(decoder, prompt, cfg["new_tokens"]) for _ in range(cfg["repeats"])]
+    result = timed_runs(lambda: timed_generation(decoder, prompt, cfg["new_tokens"]), cfg["warmup"], cfg["repeats"])
+    return result | {"load_seconds": load_seconds, "threads": threads}
+
+
+def summarize(runs: list[dict], prompt_tokens: int, size_bytes: int) -> dict:
+    """The metrics of every measurement, one vocabulary (seconds_to_first_token, decode ms per
+    token p50/p95, tokens/s, peak RSS, size), over the runs of one engine's fresh processes."""
+    first = np.array([s for run in runs for s in run["first_token_s"]])
+    steps = np.array([s for run in runs for repeat in run["step_s"] for s in repeat])
+    per_repeat_rate = [len(r) / sum(r) for run in runs for r in run["step_s"]]
+    end_to_end = [f + sum(r) for run in runs for f, r in zip(run["first_token_s"], run["step_s"], strict=True)]
     return {
-        "first_token_s": [first for first, _ in runs],
-        "step_s": [steps for _, steps in runs],
-        "load_seconds": load_seconds,
-        "threads": threads,
-        "peak_rss_mb": peak_rss_mb(),
+        "seconds_to_first_token_p50": float(np.percentile(first, 50)),
+        "seconds_to_first_token_p95": float(np.percentile(first, 95)),
+        "prefill_tokens_per_second": float(prompt_tokens / np.percentile(first, 50)),
+        "decode_ms_per_token_p50": float(np.percentile(steps, 50) * 1e3),
+        "decode_ms_per_token_p95": float(np.percentile(steps, 95) * 1e3),
+        "decode_tokens_per_second": float(np.median(per_repeat_rate)),
+        "end_to_end_seconds": float(np.median(end_to_end)),
+        "peak_rss_mb": float(max(run["peak_rss_mb"] for run in runs)),
+        "size_mb": megabytes(size_bytes),
+        "load_seconds": float(np.median([run["load_seconds"] for run in runs])),
     }
 
 

@@ -1,7 +1,7 @@
 """Turn a GGUF file into a plain HF folder: dequantized safetensors weights, config, and a tokenizer
 that matches the GGUF's own metadata.
 
-transformers loads the weights; the tokenizer is built by tasks/gguf_tokenizer.py (transformers 4.57
+transformers loads the weights; the tokenizer is built by tasks/sources/tokenizer.py (transformers 4.57
 converts GGUF tokenizers wrongly) and checked against an independent reference on the parity text
 before anything is written.
 """
@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ortforge.manifest import sha256_file
-from tasks import gguf_tokenizer, tokenizer_reference
-from tasks.errors import StageError
-from tasks.gguf_tokenizer import Vocab
-from tasks.paths import PARITY_TEXT
-from tasks.weights import check_gguf_header
+from tasks.core.errors import StageError
+from tasks.core.paths import PARITY_TEXT
+from tasks.sources import tokenizer, tokenizer_reference
+from tasks.sources.tokenizer import Vocab
+from tasks.sources.weight_files import check_gguf_header
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def read_info(path: Path) -> GGUFInfo:
     architecture = reader.fields.get("general.architecture")
     return GGUFInfo(
         architecture=str(architecture.contents()) if architecture is not None else "",
-        vocab=gguf_tokenizer.read_vocab(reader, path),
+        vocab=tokenizer.read_vocab(reader, path),
     )
 
 
@@ -78,16 +78,14 @@ def convert(path: Path, info: GGUFInfo, out_dir: Path) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    tokenizer = gguf_tokenizer.build(info.vocab)
-    parity = tokenizer_reference.check_parity(
-        tokenizer.backend_tokenizer, info.vocab, tokenizer_reference.parity_text()
-    )
+    built = tokenizer.build(info.vocab)
+    parity = tokenizer_reference.check_parity(built.backend_tokenizer, info.vocab, tokenizer_reference.parity_text())
     log.info("tokenizer equals %s on %d tokens of %s", parity["reference"], parity["tokens"], PARITY_TEXT)
     log.info("dequantizing %s (%s) to float32", path.name, info.architecture)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     _set_special_ids(model, info.vocab.special_ids)
     model.save_pretrained(out_dir, safe_serialization=True)
-    gguf_tokenizer.save(tokenizer, out_dir)
+    tokenizer.save(built, out_dir)
     return {**parity, "parity_text": PARITY_TEXT.as_posix(), "equal": True}
 
 

@@ -7,55 +7,16 @@ run (it is cheap); each stage then reads only its own section.
 
 from __future__ import annotations
 
-import difflib
-import re
 from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
-from tasks.errors import StageError
-from tasks.paths import CALIBRATION_TEXT, EVAL_DIR, EVAL_TEXT, EVAL_TEXTS, PINNED_SOURCE
-
-# Numbers and switches as YAML writes them: "32" is a string, not a block size (no coercion).
-Int = Annotated[int, Strict()]
-Float = Annotated[float, Strict()]  # an int is a float too
-Bool = Annotated[bool, Strict()]
-
-NAME = re.compile(r"^[a-z0-9][a-z0-9_]*(-[a-z0-9_]+)*$")
-
-
-def _check_name(name: str) -> str:
-    # Names end up in folder names, DVC stage names (stage@model-variant) and DVC params keys, which
-    # are dot paths: a dot, a slash or a space in a name would break one of them.
-    if not NAME.match(name) or len(name) > 64:
-        raise ValueError(
-            f"name `{name}` may hold only lowercase letters, digits, `_` and single `-` between them (at most 64 "
-            f"characters): it names folders, DVC stages and params keys"
-        )
-    return name
-
-
-Name = Annotated[str, AfterValidator(_check_name)]
-Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _reject_unknown_keys(cls, data: object) -> object:
-        if isinstance(data, dict):
-            allowed = [field.alias or name for name, field in cls.model_fields.items()]
-            for key in data:
-                if key not in allowed:
-                    near = difflib.get_close_matches(str(key), allowed, n=1)
-                    hint = f"did you mean `{near[0]}`? " if near else ""
-                    raise ValueError(f"unknown key `{key}`; {hint}allowed keys: {', '.join(allowed)}")
-        return data
-
+from tasks.core.errors import StageError
+from tasks.core.paths import CALIBRATION_TEXT, EVAL_DIR, EVAL_TEXT, EVAL_TEXTS, PINNED_SOURCE
+from tasks.core.schema import Bool, Float, Int, Name, Sha256, Strict
+from tasks.quantization.configs import METHODS, QuantizeConfig
 
 # ---- download: where each model comes from ----
 
@@ -139,86 +100,6 @@ class OptimizeConfig(Strict):
     # none: keep the exported graph (the genai builder's graph is fused already).
     model_type: Literal["none", "gpt2", "gpt_neox", "phi", "qwen3"] = "gpt2"
     opt_level: Int = Field(0, ge=0, le=2)  # 0: fusions only; session graph optimization runs at load
-
-
-# ---- quantize: one entry per variant ----
-
-METHOD_FIELDS = {
-    "fp32": set(),
-    "fp16": set(),
-    "int8_dynamic": {"weight_type", "per_channel", "reduce_range", "keep_float", "smooth_alpha", "outlier_ratio"},
-    "int8_static": {"calibrate", "per_channel", "keep_float", "smooth_alpha", "outlier_ratio"},
-    "weight_only": {
-        "bits",
-        "algorithm",
-        "block_size",
-        "zero_point",
-        "accuracy_level",
-        "output_bits",
-        "output_algorithm",
-        "eight_bit_blocks",
-        "size_budget_mb",
-    },
-}
-
-
-class QuantizeConfig(Strict):
-    method: Literal["fp32", "fp16", "int8_dynamic", "int8_static", "weight_only"]
-    # int8_dynamic and int8_static (onnxruntime's quantize_dynamic / quantize_static, QDQ)
-    weight_type: Literal["QInt8", "QUInt8"] = "QUInt8"
-    per_channel: Bool = False
-    reduce_range: Bool = False
-    calibrate: Literal["minmax", "entropy", "percentile"] = "minmax"
-    keep_float: tuple[str, ...] = Field((), description="MatMuls whose node name contains one of these stay float")
-    smooth_alpha: Float | None = Field(
-        None, ge=0.0, le=1.0, description="SmoothQuant first (tasks/smoothing.py): how much range moves to weights"
-    )
-    outlier_ratio: Float | None = Field(
-        None, gt=1.0, description="MatMuls whose input has a token this many times the median token's peak stay float"
-    )
-    # weight_only (MatMulNBits)
-    bits: Literal[4, 8] = 4
-    algorithm: Literal["rtn", "imatrix", "hqq", "gptq"] = Field(
-        "rtn", description="linear layers: round-to-nearest, importance-weighted range search, HQQ or GPTQ"
-    )
-    block_size: Int = Field(32, ge=16, le=256, description="weights per block along K (a power of two)")
-    zero_point: Literal["none", "integer", "float"] = Field(
-        "float", description="none: symmetric; integer: uint zero points; float: the range exactly (offset rows)"
-    )
-    accuracy_level: Int = Field(4, ge=0, le=4, description="MatMulNBits compute: 0 float32, 4 int8 activations")
-    output_bits: Literal[4, 8, 32] = Field(4, description="the output layer and tied embedding; 32 keeps float")
-    output_algorithm: Literal["rtn", "imatrix"] = "rtn"
-    eight_bit_blocks: tuple[Int, ...] = Field((), description="decoder blocks kept at 8 bits; -1 is the last")
-    size_budget_mb: Float | None = Field(
-        None, gt=0, description="mixed precision chosen by measurement: raise parts to 8 bits within this size"
-    )
-
-    @model_validator(mode="after")
-    def _settings_belong_to_method(self) -> QuantizeConfig:
-        foreign = sorted(self.model_fields_set - {"method"} - METHOD_FIELDS[self.method])
-        if foreign:
-            verb = "does" if len(foreign) == 1 else "do"
-            raise ValueError(f"{', '.join(foreign)} {verb} not apply to method {self.method}; remove it")
-        if self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size {self.block_size} is not a power of two; use 16, 32, 64, 128 or 256")
-        if self.algorithm == "hqq" and self.zero_point != "float":
-            raise ValueError("algorithm hqq solves for float zero points; set zero_point: float")
-        if self.algorithm == "gptq" and self.zero_point == "float":
-            raise ValueError("algorithm gptq works on an integer grid; set zero_point: integer or none")
-        if self.eight_bit_blocks and self.bits != 4:
-            raise ValueError("eight_bit_blocks mixes 8-bit blocks into a 4-bit model; it needs bits: 4")
-        if self.size_budget_mb is not None and (self.bits != 4 or self.eight_bit_blocks or self.output_bits == 32):
-            raise ValueError(
-                "size_budget_mb chooses the 8-bit parts of a 4-bit model by measurement: it needs bits: 4, "
-                "output_bits 4 or 8 (the output layer's lowest width) and no eight_bit_blocks"
-            )
-        return self
-
-    @property
-    def needs_calibration(self) -> bool:
-        data_aware = self.algorithm in ("gptq", "imatrix") or self.output_algorithm == "imatrix"
-        measured = self.smooth_alpha is not None or self.outlier_ratio is not None or self.size_budget_mb is not None
-        return self.method == "int8_static" or measured or (self.method == "weight_only" and data_aware)
 
 
 class CalibrationConfig(Strict):
@@ -306,7 +187,7 @@ class BenchConfig(Strict):
     repeats: Int = Field(3, ge=1)
     rounds: Int = Field(1, ge=1, description="fresh processes per engine, interleaved")
     threads: Int = Field(0, ge=0, description="PyTorch threads, and onnxruntime's when not tuning; 0: default")
-    tune: Bool = True  # choose onnxruntime session settings by measurement (tasks/tuning.py)
+    tune: Bool = True  # choose onnxruntime session settings by measurement (tasks/measurement/tuning.py)
     baseline: Bool = True  # also time PyTorch fp32 with its KV cache, in the same run
 
 
@@ -316,7 +197,7 @@ class BenchConfig(Strict):
 class ReportConfig(Strict):
     """Which variant to recommend: the best by one measure among those within a perplexity budget."""
 
-    recommend_by: Literal["decode_tokens_per_second", "size_mb", "peak_rss_mb", "first_token_ms"] = (
+    recommend_by: Literal["decode_tokens_per_second", "size_mb", "peak_rss_mb", "seconds_to_first_token_p50"] = (
         "decode_tokens_per_second"
     )
     max_ppl_ratio: Float = Field(1.07, ge=1.0)
@@ -461,9 +342,16 @@ def describe(error: ValidationError) -> str:
 
 
 def _without_union_tags(loc: tuple) -> list[str]:
-    """Drop the `kind` tag pydantic inserts after `source`, so the path matches params.yaml."""
+    """Drop the tags pydantic inserts for discriminated unions (a source's kind, a recipe's method),
+    so the path matches params.yaml."""
     parts = [str(part) for part in loc]
-    return [part for i, part in enumerate(parts) if not (i and parts[i - 1] == "source" and part in SOURCE_KINDS)]
+
+    def tag(i: int, part: str) -> bool:
+        after_source = i >= 1 and parts[i - 1] == "source" and part in SOURCE_KINDS
+        after_variant = i >= 2 and parts[i - 2] == "quantize" and part in METHODS
+        return after_source or after_variant
+
+    return [part for i, part in enumerate(parts) if not tag(i, part)]
 
 
 SOURCE_KINDS = {"hub", "local", "gguf", "gguf_package"}

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import psutil
 
-from tasks.errors import StageError
-from tasks.files import folder_bytes
+from tasks.core.errors import StageError
+from tasks.core.files import folder_bytes
 
 SKIP_ENV = "ORTFORGE_SKIP_RESOURCE_CHECK"  # for a user who knows the estimate is wrong for their model
 GB = 1e9

@@ -11,7 +11,7 @@ from ortforge.machine import CPU_FEATURES, cpu_flags, cpu_model
 
 
 def tool_lines(root: Path) -> list[str]:
-    from tasks.versions import PINS_FILE, installed, load_pins
+    from tasks.core.versions import PINS_FILE, installed, load_pins
 
     pins_file = root / PINS_FILE
     if not pins_file.is_file():

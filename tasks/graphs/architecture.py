@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ortforge.names import MODEL_CONFIG_FILE
-from tasks.errors import StageError
+from tasks.core.errors import StageError
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """What every stage entry point shares: the command line (model, variant, and input/output paths
-that default to tasks/paths.py), params loading, logging, and one-line errors with exit status 2."""
+that default to tasks/core/paths.py), params loading, logging, and one-line errors with exit status 2."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tasks.errors import StageError
-from tasks.lifetime import die_with_parent
+from tasks.core.errors import StageError
+from tasks.core.lifetime import die_with_parent
 
 if TYPE_CHECKING:
-    from tasks.params import Params
+    from tasks.core.params import Params
 
 __all__ = ["StageError", "StageArgs", "stage_cli"]
 
@@ -49,7 +49,7 @@ def stage_cli(
 ) -> int:
     """Parse argv, check params and tool versions, run body; a StageError becomes one line, exit 2.
 
-    path_flags maps each flag name (without dashes) to the tasks.paths function giving its default.
+    path_flags maps each flag name (without dashes) to the tasks.core.paths function giving its default.
     The tool versions are checked against versions.yaml beside the params file.
     """
     parser = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
@@ -65,8 +65,8 @@ def stage_cli(
         die_with_parent()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        from tasks.params import load_params
-        from tasks.versions import PINS_FILE, check_installed
+        from tasks.core.params import load_params
+        from tasks.core.versions import PINS_FILE, check_installed
 
         params = load_params(args.params)
         pins_file = Path(args.params).parent / PINS_FILE.name
@@ -90,7 +90,7 @@ def stage_cli(
 
 def preflight(stage: str, paths: dict[str, Path]) -> None:
     """Before heavy work: every output can be written, and disk and memory hold the estimate."""
-    from tasks import resources
+    from tasks.core import resources
 
     outputs = [paths[flag] for flag in OUTPUT_FLAGS if flag in paths]
     for output in outputs:

@@ -1,0 +1,139 @@
+"""Weight-only block quantization: a decoder's linear layers become onnxruntime MatMulNBits nodes,
+and a tied output layer and token embedding share one set of codes (MatMulNBits for the logits,
+GatherBlockQuantized for the embedding lookup), so the vocabulary matrix is stored once.
+
+Why a rewrite of our own around onnxruntime's operators and algorithms: onnxruntime's quantizer
+rounds asymmetric zero points to integers (on SmolLM2 that alone costs +17% perplexity), its float
+zero points (HQQ) have no fast CPU kernel (10x slower decode here), and it stores a tied vocabulary
+matrix twice. A float zero point z is written as the integer round(z) plus a per-block remainder:
+w = s*(q - round(z)) + s*(round(z) - z), and x.W = x.W_int + blocksum(x) . R with
+R[b, n] = s*(round(z) - z). The block sums are appended to the layer's input and R's codes to the
+weight's, so one MatMulNBits computes both (see offset_rows). On weights that came from a GGUF
+Q4_1 file (the default model) this keeps the file's values to about a fifteenth of what rounding
+the zero points would cost; integer zero points remain available (slightly faster, lossier).
+
+Codes come from round-to-nearest, an importance-weighted range search (imatrix, with activation
+statistics from calibration text), onnxruntime's HQQ solver, or onnxruntime's GPTQ (with Hessians
+from calibration text). Scales are stored as float16 and cast to float32 in the graph
+(folded at session load), which halves their size on disk.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from tasks.core.errors import StageError
+from tasks.quantization.codes import MIN_BLOCK, layer_block, pack, pack_zero_points, quantize_codes, round_to_nearest
+from tasks.quantization.configs import QuantizeConfig
+from tasks.quantization.layers import (
+    OutputLayer,
+    layer_bits,
+    layer_blocks,
+    linear_layers,
+    output_layer,
+    sibling_groups,
+    token_embedding,
+    weight_matrix,
+)
+from tasks.quantization.writer import GraphWriter, StoredCodes, write_embedding, write_linears, write_matmul
+
+log = logging.getLogger(__name__)
+
+
+def vocabulary_block(k: int, block: int, what: str) -> tuple[int, list[str]]:
+    size = layer_block(k, block)
+    if size is None:
+        raise StageError(
+            f"the {what} has hidden size {k}, which no block of {MIN_BLOCK} or more divides; set output_bits: 32"
+        )
+    return size, [f"{what}: block {size} (hidden size {k} is not a multiple of {block})"] if size != block else []
+
+
+def quantize_output_layer(
+    writer: GraphWriter, head: OutputLayer, cfg: QuantizeConfig, hessian: np.ndarray | None
+) -> list[str]:
+    # GatherBlockQuantized takes integer zero points only, so the shared codes use them.
+    zero_point = "none" if cfg.zero_point == "none" else "integer"
+    block, notes = vocabulary_block(head.weight.shape[0], cfg.block_size, "output layer")
+    codes = quantize_codes(cfg.output_algorithm, head.weight, cfg.output_bits, block, zero_point, hessian)
+    stored = write_matmul(writer, head.node.input[0], head.node.output[0], "lm_head", codes, cfg.accuracy_level)
+    graph = writer.model.graph
+    graph.node.remove(head.node)
+    if head.transpose is not None:
+        graph.node.remove(head.transpose)
+    if head.gather is not None:
+        write_embedding(writer, head.gather, stored, codes)
+        graph.node.remove(head.gather)
+    graph.initializer.remove(next(t for t in graph.initializer if t.name == head.weight_initializer))
+    return notes
+
+
+def quantize_untied_embedding(writer: GraphWriter, cfg: QuantizeConfig) -> list[str]:
+    """An embedding table the output layer does not share, to GatherBlockQuantized codes at the
+    output layer's width (llama.cpp quantizes token_embd too): at fp32 it would be the largest
+    part of a small model's int4 artifact."""
+    from onnx import numpy_helper
+
+    found = token_embedding(writer.model)
+    if found is None:
+        return []
+    gather, table = found
+    rows = numpy_helper.to_array(table)
+    block, notes = vocabulary_block(rows.shape[1], cfg.block_size, "token embedding")
+    codes = round_to_nearest(rows.T, cfg.output_bits, block, "none" if cfg.zero_point == "none" else "integer")
+    stem = gather.name or "embedding"
+    packed = writer.constant(stem + "/q", pack(codes.codes, codes.bits, codes.block))
+    scales = writer.half_constant(stem + "/scales", codes.scales)
+    symmetric = bool(np.all(codes.zeros == codes.mid))
+    zero_points = (
+        None if symmetric else writer.constant(stem + "/zero_points", pack_zero_points(codes.zeros, codes.bits))
+    )
+    write_embedding(writer, gather, StoredCodes(packed, scales, zero_points), codes)
+    writer.model.graph.node.remove(gather)
+    writer.model.graph.initializer.remove(table)
+    return notes
+
+
+def quantize_model(
+    model, cfg: QuantizeConfig, hessians: dict[str, np.ndarray] | None = None, only_blocks: set[int] | None = None
+):
+    """Rewrite model in place: linears to MatMulNBits (siblings packed); unless output_bits is 32,
+    the output layer (and a tied embedding) to codes shared by MatMulNBits and GatherBlockQuantized.
+    Returns model and notes on layers that could not use the asked block size.
+
+    hessians maps each name from calibrated_inputs() to its H; only_blocks (None: all) limits the
+    linears quantized to those decoder blocks, leaving the others float (mixed_precision measures
+    one block at a time)."""
+    from onnxruntime.transformers.onnx_model import OnnxModel
+
+    hessians = hessians or {}
+    writer = GraphWriter(model)
+    linears = linear_layers(model)
+    if only_blocks is not None:
+        linears = [linear for linear in linears if linear.layer in only_blocks]
+    blocks, notes = layer_blocks(linears, cfg.block_size)
+    num_layers = 1 + max((lin.layer for lin in linears if lin.layer is not None), default=0)
+    initializers = {t.name: t for t in model.graph.initializer}
+    done = 0
+    for group in sibling_groups(linears, blocks):
+        weights = np.concatenate([weight_matrix(lin, initializers) for lin in group], axis=1)
+        bits, block = layer_bits(cfg, group[0].layer, num_layers), blocks[group[0].node.name]
+        hessian = hessians.get(group[0].node.input[0])
+        codes = quantize_codes(cfg.algorithm, weights, bits, block, cfg.zero_point, hessian)
+        write_linears(writer, group, codes, cfg.accuracy_level)
+        for linear in group:
+            model.graph.node.remove(linear.node)
+            model.graph.initializer.remove(initializers[linear.weight_name])
+            if linear.bias:
+                model.graph.initializer.remove(initializers[linear.bias])
+        done, before = done + len(group), done
+        if done // 30 > before // 30 or done == len(linears):
+            log.info("quantized %d/%d linear layers", done, len(linears))
+    head = output_layer(model)
+    if head is not None and cfg.output_bits != 32:
+        notes += quantize_output_layer(writer, head, cfg, hessians.get(head.node.input[0]))
+        notes += quantize_untied_embedding(writer, cfg)
+    OnnxModel(model).topological_sort()
+    return model, notes

@@ -1,0 +1,163 @@
+"""Writing block codes into a graph: MatMulNBits for a linear (or a group of siblings reading one
+input, split back into each output), with the block sums float zero points need appended to its
+input, and GatherBlockQuantized for an embedding lookup reading the same codes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from tasks.quantization.codes import BlockCodes, is_integer_grid, offset_rows, pack, pack_zero_points
+from tasks.quantization.layers import Linear
+
+
+class GraphWriter:
+    """Adds initializers and nodes to a model, naming them uniquely after their origin."""
+
+    def __init__(self, model):
+        self.model = model
+        self.block_sums: dict[tuple[str, int], str] = {}
+
+    def constant(self, name: str, array: np.ndarray) -> str:
+        from onnx import numpy_helper
+
+        self.model.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        return name
+
+    def half_constant(self, name: str, array: np.ndarray) -> str:
+        """A float32 value stored as float16 and cast back (folded into a float32 initializer at load)."""
+        from onnx import TensorProto, helper
+
+        stored = self.constant(name + "_fp16", np.asarray(array, dtype=np.float16))
+        self.model.graph.node.append(
+            helper.make_node("Cast", [stored], [name], to=TensorProto.FLOAT, name=name + "/Cast")
+        )
+        return name
+
+    def with_block_sums(self, x: str, blocks: int, block: int, rank: int) -> str:
+        """[..., K] -> [..., K + K // block]: x (of the given rank) and its sums over each block of K,
+        computed once per input."""
+        from onnx import helper
+
+        key = (x, block)
+        if key not in self.block_sums:
+            stem = f"{x}/block_sum{block}"
+            leading = [0] * (rank - 1)  # Reshape copies a 0 dimension from x
+            shape = self.constant(stem + "/shape", np.array([*leading, blocks, block], dtype=np.int64))
+            axes = self.constant(stem + "/axes", np.array([-1], dtype=np.int64))
+            self.model.graph.node.extend(
+                [
+                    helper.make_node("Reshape", [x, shape], [stem + "/blocks"], name=stem + "/Reshape"),
+                    helper.make_node(
+                        "ReduceSum", [stem + "/blocks", axes], [stem], keepdims=0, name=stem + "/ReduceSum"
+                    ),
+                    helper.make_node("Concat", [x, stem], [stem + "/appended"], axis=-1, name=stem + "/Concat"),
+                ]
+            )
+            self.block_sums[key] = stem + "/appended"
+        return self.block_sums[key]
+
+
+@dataclass(frozen=True)
+class StoredCodes:
+    """Names of the tensors holding a weight's codes, scales and (optional) zero points."""
+
+    packed: str
+    scales: str
+    zero_points: str | None
+
+
+def write_matmul(
+    writer: GraphWriter,
+    x: str,
+    output: str,
+    stem: str,
+    codes: BlockCodes,
+    accuracy_level: int,
+    bias: str = "",
+    rank: int = 3,
+) -> StoredCodes:
+    """MatMulNBits for x.W (+ bias) into output; float zero points read x (of the given rank) with
+    its block sums appended."""
+    from onnx import helper
+
+    k = codes.codes.shape[1]
+    symmetric = bool(np.all(codes.zeros == codes.mid))
+    if not symmetric and not is_integer_grid(codes):
+        blocks = k // codes.block
+        x, k, codes = writer.with_block_sums(x, blocks, codes.block, rank), k + blocks, offset_rows(codes)
+    packed = writer.constant(stem + "/q", pack(codes.codes, codes.bits, codes.block))
+    scales = writer.half_constant(stem + "/scales", codes.scales)
+    inputs = [x, packed, scales]
+    zero_points = None
+    if not symmetric:
+        zero_points = writer.constant(stem + "/zero_points", pack_zero_points(codes.zeros, codes.bits))
+    if zero_points or bias:
+        inputs.append(zero_points or "")
+    if bias:
+        inputs += ["", bias]  # no g_idx
+    n = codes.codes.shape[0]
+    attrs = {"K": k, "N": n, "bits": codes.bits, "block_size": codes.block, "accuracy_level": accuracy_level}
+    node = helper.make_node("MatMulNBits", inputs, [output], stem + "/MatMulNBits", domain="com.microsoft", **attrs)
+    writer.model.graph.node.append(node)
+    return StoredCodes(packed, scales, zero_points)
+
+
+def group_bias(writer: GraphWriter, group: list[Linear], stem: str) -> str:
+    """The group's biases side by side ("" when none has one)."""
+    from onnx import numpy_helper
+
+    if not any(linear.bias for linear in group):
+        return ""
+    initializers = {t.name: t for t in writer.model.graph.initializer}
+    parts = [
+        numpy_helper.to_array(initializers[linear.bias]).reshape(-1) if linear.bias else np.zeros(linear.width)
+        for linear in group
+    ]
+    return writer.constant(stem + "/bias", np.concatenate(parts).astype(np.float32))
+
+
+def write_linears(writer: GraphWriter, group: list[Linear], codes: BlockCodes, accuracy_level: int) -> None:
+    """The group's MatMulNBits (codes hold its weights side by side), split back into each output."""
+    from onnx import helper
+
+    first = group[0]
+    stem = first.node.name or first.weight_name
+    rank = 2 if first.node.op_type == "Gemm" else 3  # Gemm reads a matrix; the exporters' MatMuls [batch, seq, K]
+    if len(group) == 1:
+        bias = group_bias(writer, group, stem)
+        write_matmul(writer, first.node.input[0], first.node.output[0], stem, codes, accuracy_level, bias, rank)
+        return
+    stem, packed = f"{stem}/packed{len(group)}", f"{first.node.output[0]}/packed{len(group)}"
+    bias = group_bias(writer, group, stem)
+    write_matmul(writer, first.node.input[0], packed, stem, codes, accuracy_level, bias, rank)
+    widths = writer.constant(stem + "/widths", np.array([g.width for g in group], dtype=np.int64))
+    outputs = [linear.node.output[0] for linear in group]
+    writer.model.graph.node.append(helper.make_node("Split", [packed, widths], outputs, axis=-1, name=stem + "/Split"))
+
+
+def write_embedding(writer: GraphWriter, gather, stored: StoredCodes, codes: BlockCodes) -> None:
+    """GatherBlockQuantized reading the output layer's codes: rows of the vocab matrix are embeddings."""
+    from onnx import helper
+
+    n, k = codes.codes.shape
+    stem = gather.name or "embedding"
+    shape = writer.constant(stem + "/rows_shape", np.array([n, k * codes.bits // 8], dtype=np.int64))
+    inputs = [stem + "/rows", gather.input[1], stored.scales] + ([stored.zero_points] if stored.zero_points else [])
+    writer.model.graph.node.extend(
+        [
+            helper.make_node("Reshape", [stored.packed, shape], [stem + "/rows"], name=stem + "/Reshape"),
+            helper.make_node(
+                "GatherBlockQuantized",
+                inputs,
+                list(gather.output),
+                domain="com.microsoft",
+                name=stem + "/GatherBlockQuantized",
+                gather_axis=0,
+                quantize_axis=1,
+                block_size=codes.block,
+                bits=codes.bits,
+            ),
+        ]
+    )
