@@ -1,16 +1,56 @@
-"""A progress bar over `dvc repro`: the stages DVC plans to run are the total, each stage DVC starts
-advances it, and DVC's own output scrolls above the bar."""
+"""A quiet `dvc repro` for people: a progress bar over the stages DVC plans to run, one line per
+stage when it finishes (what it wrote or found, and how long it took), errors as they come, and
+every line DVC, the stages and their tools print (the exporter's progress bars, onnxruntime's
+quantizer, transformers' notices) in a log file whose path is printed first."""
 
 from __future__ import annotations
 
+import re
+import time
 from pathlib import Path
+
+LOG = Path("logs/build.log")  # under the repository root; git-ignored
+# The stages log as "<date> <time> <logger> <LEVEL> <message>" (tasks/core/stage.py); the stage
+# module itself (run as __main__) says what it wrote or found.
+STAGE_MESSAGE = re.compile(r"^\S+ \S+ __main__ INFO (.*)$")
+PROBLEM = re.compile(r"^(error: |ERROR: )")
+MESSAGE_WIDTH = 150
+
+
+class StageLines:
+    """Follows DVC's output: which stage runs, since when, and its latest message."""
+
+    def __init__(self, say):
+        self.say, self.stage, self.started, self.message = say, None, 0.0, ""
+
+    def line(self, text: str) -> None:
+        from flows.dvc import STAGE_STARTED
+
+        started = STAGE_STARTED.search(text)
+        if started:
+            self.finish()
+            self.stage, self.started, self.message = started.group(1), time.perf_counter(), ""
+            return
+        message = STAGE_MESSAGE.match(text)
+        if message:
+            self.message = message.group(1)
+        elif PROBLEM.match(text):
+            self.say(text)
+
+    def finish(self) -> None:
+        if self.stage is not None:
+            elapsed = time.perf_counter() - self.started
+            message = self.message or "done"
+            message = message if len(message) <= MESSAGE_WIDTH else message[: MESSAGE_WIDTH - 1] + "…"
+            self.say(f"{self.stage}: {message} ({elapsed:.0f} s)")
+            self.stage = None
 
 
 def reproduce_with_progress(root: Path, targets: list[str] | None = None, *options: str) -> list[str]:
-    """Run `dvc repro [options] [targets]` under a progress bar; return the stages executed."""
+    """Run `dvc repro [options] [targets]` quietly; return the stages executed."""
     from tqdm import tqdm
 
-    from flows.dvc import STAGE_STARTED, DvcFailed, planned_stages, reproduce
+    from flows.dvc import DvcFailed, planned_stages, reproduce
 
     try:
         total = len(planned_stages(root, targets, *options))
@@ -18,18 +58,30 @@ def reproduce_with_progress(root: Path, targets: list[str] | None = None, *optio
         total = None  # a dry run cannot plan stages whose inputs do not exist yet: count without a total
     if total == 0:
         return []
-    with tqdm(total=total, unit="stage", dynamic_ncols=True) as bar:
-        started: list[str] = []
+    log = Path(root) / LOG
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with (
+        open(log, "w", encoding="utf-8") as handle,
+        tqdm(total=total, unit="stage", dynamic_ncols=True, disable=None) as bar,
+    ):
+        bar.write(f"full log: {log}")
+        stages = StageLines(bar.write)
 
-        def show(line: str) -> None:
-            match = STAGE_STARTED.search(line)
-            if match:
-                if started:
-                    bar.update(1)
-                started.append(match.group(1))
-                bar.set_description(match.group(1))
-            bar.write(line)
+        def follow(text: str) -> None:
+            handle.write(text + "\n")
+            handle.flush()
+            before = stages.stage
+            stages.line(text)
+            if stages.stage != before and before is not None:
+                bar.update(1)
+            if stages.stage is not None:
+                bar.set_description(stages.stage)
 
-        ran = reproduce(root, targets, *options, echo=show)
+        try:
+            ran = reproduce(root, targets, *options, echo=follow)
+        except DvcFailed as error:
+            raise DvcFailed(f"{error} (full log: {log})") from None
+        finally:
+            stages.finish()
         bar.update(len(ran) - bar.n)
     return ran

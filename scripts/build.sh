@@ -10,12 +10,10 @@ bash scripts/install.sh
 export DVC_NO_ANALYTICS=1 DO_NOT_TRACK=1
 models=("$@")
 [ ${#models[@]} -gt 0 ] || models=(smollm2-135m)
-targets=()
+options=()
 for model in "${models[@]}"; do
-  targets+=("report@$model")
+  options+=(--model "$model")
 done
-dvc repro "${targets[@]}"
-for model in "${models[@]}"; do
-  echo
-  cat "reports/$model/report.md"
-done
+# One line per stage and the results table; everything else goes to the log it names.
+ortforge build "${options[@]}"
+ortforge report "${options[@]}"
