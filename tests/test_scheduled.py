@@ -99,7 +99,12 @@ def test_served_deployment_rebuilds_then_executes_nothing(project, prefect_api):
     finally:
         serving.terminate()
         serving.wait(timeout=30)
-    assert (project.parent / "ortforge-dvc-remote").is_dir()  # results were pushed to the default remote
+    # Everything the rebuild cached was pushed: the default remote holds each output's objects.
+    assert any((project.parent / "ortforge-dvc-remote").rglob("*")), "nothing was pushed"
+    cloud = subprocess.run(
+        [sys.executable, "-m", "dvc", "status", "--cloud"], cwd=project, capture_output=True, text=True
+    )
+    assert cloud.returncode == 0 and "in sync" in cloud.stdout, cloud.stdout + cloud.stderr
 
 
 def deployment_schedule(api: str) -> str | None:
