@@ -1,0 +1,188 @@
+"""Fill the README's figure blocks from the committed result files that scripts wrote.
+
+Every figure in the README sits between `<!-- figures: NAME -->` and `<!-- /figures -->`, and NAME
+says which result file it comes from (RENDERERS below). Run after a build or a benchmark:
+
+    python scripts/readme_figures.py          # rewrite the blocks in README.md
+    python scripts/readme_figures.py --check  # exit 1 if any block differs from its result file
+
+tests/test_readme.py runs the check, so a README figure can never drift from its source.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.side_by_side import chain_table, table  # noqa: E402
+
+README = REPO / "README.md"
+RESULTS = REPO / "benchmarks" / "results"
+BLOCK = re.compile(r"^(?P<indent> *)<!-- figures: (?P<name>[\w-]+) -->\n.*?^(?P=indent)<!-- /figures -->$", re.M | re.S)
+
+
+def _json(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def report_table(model: str) -> str:
+    """The results table the report stage wrote."""
+    lines = (REPO / "reports" / model / "report.md").read_text(encoding="utf-8").splitlines()
+    return "\n".join(line for line in lines if line.startswith("|"))
+
+
+def report_summary(model: str) -> str:
+    """The recommended variant and those within +1% perplexity, from report.json."""
+    report = _json(REPO / "reports" / model / "report.json")
+    rows, best = report["variants"], report["recommended"]
+    close = [v for v, r in sorted(rows.items(), key=lambda i: i[1]["size_mb"]) if r["ppl_ratio"] <= 1.01 and v != best]
+    rule = report["rule"]
+    lines = [f"- {len(rows)} variants passed validation and were benchmarked."]
+    if best:
+        lines.append(
+            f"- Recommended (best {rule['recommend_by']} within perplexity x{rule['max_ppl_ratio']}): "
+            f"**{best}**, {_figures(rows[best])}."
+        )
+    if close:
+        lines.append(f"- Within +1% perplexity: {'; '.join(f'{v}, {_figures(rows[v])}' for v in close)}.")
+    return "\n".join(lines)
+
+
+def _figures(row: dict) -> str:
+    return f"{row['size_mb']:.1f} MB, perplexity x{row['ppl_ratio']:.3f}, {row['decode_tokens_per_second']:.1f} tok/s"
+
+
+def architectures() -> str:
+    return (RESULTS / "architectures.md").read_text(encoding="utf-8").strip()
+
+
+def side_by_side_short() -> str:
+    report = _json(RESULTS / "side_by_side.json")
+    return f"Read bandwidth measured in this run: {report['memory_bandwidth_gb_s']:.1f} GB/s.\n\n" + table(
+        report["short"]
+    )
+
+
+def side_by_side_chain() -> str:
+    long = _json(RESULTS / "side_by_side.json")["long"]
+    return (
+        chain_table(long) + f"\n\n**x{long['x_lighter']:.0f} lighter** end to end than PyTorch without a KV cache, "
+        f"x{long['x_lighter_than_kv_cache']:.1f} lighter than PyTorch with its cache."
+    )
+
+
+def _goal(value: float, goal: float, at_most: bool = False) -> str:
+    met = value <= goal if at_most else value >= goal
+    return f"goal {'at most ' if at_most else 'x'}{goal:g}{' MB' if at_most else ''}: {'met' if met else 'not met'}"
+
+
+def side_by_side_goals() -> str:
+    """The goals, each a ratio between two engines of the same run, and whether it is met."""
+    short = _json(RESULTS / "side_by_side.json")["short"]
+    first = lambda name: short[name]["seconds_to_first_token_p50"]  # noqa: E731
+    speed = lambda name: short[name]["decode_tokens_per_second"]  # noqa: E731
+    int4, defaults, kv = short["ortforge int4"], "optimum export fp32, ORT defaults", "PyTorch fp32, KV cache"
+    prefill = max(("int8_smooth", "int8", "int4"), key=lambda v: first(defaults) / first(f"ortforge {v}"))
+    ratio = first(defaults) / first(f"ortforge {prefill}")
+    lines = [
+        "- prefill, 128 tokens, against ORT fp32 defaults: "
+        + ", ".join(f"{v} x{first(defaults) / first(f'ortforge {v}'):.2f}" for v in ("int8_smooth", "int8", "int4"))
+        + f" ({_goal(ratio, 1.5)} by {prefill})",
+        f"- int4 peak RSS {int4['peak_rss_mb']:.0f} MB ({_goal(int4['peak_rss_mb'], 250, at_most=True)}), "
+        f"artifact {int4['size_mb']:.1f} MB ({_goal(int4['size_mb'], 90, at_most=True)})",
+        f"- int4 decode x{speed('ortforge int4') / speed(kv):.1f} PyTorch with its KV cache "
+        f"({_goal(speed('ortforge int4') / speed(kv), 12)})",
+    ]
+    peers = [name for name in short if name.startswith(("onnxruntime-genai", "llama.cpp"))]
+    for peer in peers:
+        r = speed("ortforge int4") / speed(peer)
+        lines.append(f"- int4 decode x{r:.2f} {peer} ({_goal(r, 1.5)})")
+    for lookup in (name for name in short if short[name].get("tokens_per_run")):
+        against = ", ".join(f"x{speed(lookup) / speed(p):.2f} {p}" for p in peers)
+        lines.append(
+            f"- {lookup}: {short[lookup]['tokens_per_run']:.2f} tokens per model run, x"
+            f"{speed(lookup) / speed('ortforge int4'):.2f} plain int4{', ' + against if against else ''} "
+            "(this workload repeats itself; not counted toward the goal)"
+        )
+    return "\n".join(lines)
+
+
+def cache_reuse() -> str:
+    figures = _json(RESULTS / "cache_reuse.json")
+    cold, noop, warm = figures["cold_build"], figures["noop_repro"], figures["warm_ci_run"]
+    return "\n".join(
+        [
+            "| run | wall time | stages executed |",
+            "|---|---|---|",
+            f"| cold build: fresh clone, empty cache, `dvc repro --force` | {cold['seconds']:.1f} s | "
+            f"{cold['stages_executed']} |",
+            f"| no-op `dvc repro` | {noop['seconds']:.1f} s | {noop['stages_executed']} |",
+            f"| warm CI-style run: fresh clone of the build's commit + restored `.dvc/cache` "
+            f"({warm['cache_mb'] / 1000:.2f} GB), `dvc repro` | {warm['seconds']:.1f} s "
+            f"({figures['warm_share_of_cold']:.1%} of cold) | {warm['stages_executed']} |",
+            "",
+            f"Copying the cache folder into place took another {warm['cache_restore_seconds']:.1f} s.",
+        ]
+    )
+
+
+def fanout() -> str:
+    figures = _json(RESULTS / "fanout.json")
+    seconds = figures["seconds_by_workers"]
+    one = seconds["1"]
+    header = f"| workers | wall time, {len(figures['variants'])} variants ({figures['stages']} stages) | speed-up |"
+    rows = [f"| {w} | {s:.1f} s | {one / s:.2f} |" for w, s in seconds.items()]
+    return "\n".join([header, "|---|---|---|", *rows])
+
+
+RENDERERS = {
+    "report-smollm2-135m": lambda: report_table("smollm2-135m"),
+    "summary-smollm2-135m": lambda: report_summary("smollm2-135m"),
+    "report-gemma3-270m": lambda: report_table("gemma3-270m"),
+    "summary-gemma3-270m": lambda: report_summary("gemma3-270m"),
+    "architectures": architectures,
+    "side-by-side-short": side_by_side_short,
+    "side-by-side-chain": side_by_side_chain,
+    "side-by-side-goals": side_by_side_goals,
+    "cache-reuse": cache_reuse,
+    "fanout": fanout,
+}
+
+
+def render(text: str) -> str:
+    """text with every figure block's body replaced by what its renderer writes now."""
+
+    def fill(match: re.Match) -> str:
+        indent, name = match["indent"], match["name"]
+        if name not in RENDERERS:
+            raise SystemExit(f"error: README block '{name}' has no renderer; known: {', '.join(RENDERERS)}")
+        body = "\n".join(f"{indent}{line}" if line else "" for line in RENDERERS[name]().splitlines())
+        return f"{indent}<!-- figures: {name} -->\n{body}\n{indent}<!-- /figures -->"
+
+    return BLOCK.sub(fill, text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="only check; exit 1 if a block is stale")
+    args = parser.parse_args(argv)
+    text = README.read_text(encoding="utf-8")
+    filled = render(text)
+    if args.check:
+        if filled != text:
+            print("error: README figure blocks differ from their result files; run python scripts/readme_figures.py")
+            return 1
+        return 0
+    README.write_text(filled, encoding="utf-8")
+    print(f"filled {len(BLOCK.findall(text))} figure blocks in {README.name}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
