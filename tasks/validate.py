@@ -116,12 +116,18 @@ def measure(variant_dir: Path, reference: Reference, cfg: EvalConfig) -> dict:
     }
 
 
+def recorded_params(manifest: dict) -> dict:
+    """The params a variant was written with. A size budget records the widths its measurement
+    chose (eight_bit_blocks, output_bits); the budget is spent, so those widths are what to check."""
+    return {key: value for key, value in manifest["params"].items() if key != "size_budget_mb"}
+
+
 def measure_coverage(variant_dir: Path) -> dict:
     """What the graph stores at which width, against what the variant's params asked (manifest)."""
     import onnx
 
     manifest = read_manifest(variant_dir)
-    params = quantize_config(**manifest["params"])
+    params = quantize_config(**recorded_params(manifest))
     found = coverage.weights(onnx.load(str(variant_dir / MODEL_FILE), load_external_data=False))
     share, wrong = coverage.shortfall(params, found, set(manifest.get("kept_float", {})))
     return {"share_as_asked": share, "not_as_asked": wrong, "by_role": coverage.summary(found)}

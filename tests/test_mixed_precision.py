@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from ortforge.manifest import read_manifest
-from tasks import quantize
+from tasks import quantize, validate
 from tasks.core.files import folder_bytes
 from tasks.core.params import CalibrationConfig
 from tasks.core.stage import StageError
@@ -37,9 +37,10 @@ def test_parts_raised_to_eight_bits_by_measured_damage_within_the_budget(built, 
         ratio[part] for part in ratio if part not in table["eight_bit"]
     )  # the best damage per megabyte went first
     assert folder_bytes(result.out_dir, "model.onnx*") / 1e6 <= budget * 1.05
-    params = quantize_config(**manifest["params"])  # what validate checks against
     found = coverage.weights(onnx_io.load(result.out_dir, with_weights=False))
-    assert coverage.shortfall(params, found, set()) == (1.0, [])
+    for built_variant in (all_four, result):  # validate reads back what each chose: blocks too
+        assert validate.measure_coverage(built_variant.out_dir)["share_as_asked"] == 1.0
+        assert validate.measure_coverage(built_variant.out_dir)["not_as_asked"] == []
     eight = {w.layer for w in found if w.role == "linear" and w.bits == 8}
     assert eight == {int(part) for part in table["eight_bit"] if part != "output"}
 
