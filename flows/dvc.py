@@ -70,9 +70,13 @@ def dvc(root: Path, *args: str, echo: bool | Callable[[str], object] = True) -> 
     """Run `dvc args...` in root, passing its output line by line to echo (print when True); return it."""
     say = print if echo is True else echo or None
     lines: list[str] = []
+    # DVC runs each stage's `python -m tasks...` through PATH: put this interpreter first, so an
+    # unactivated `.venv/bin/ortforge build` runs the stages with the venv's Python too.
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", os.defpath)])
     with subprocess.Popen(
         [sys.executable, "-m", "dvc", *args],
         cwd=root,
+        env={**os.environ, "PATH": path},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -1,7 +1,7 @@
 """ortforge runtime: load a built artifact and generate with its KV cache.
 
-Depends on onnxruntime, numpy and tokenizers only, so a service that ships an artifact needs
-neither torch nor the build tools. Names load on first use, so `ortforge --help` stays instant.
+Depends on onnxruntime, numpy, tokenizers and (for chat templates) Jinja2 only, so a service that
+ships an artifact needs neither torch nor the build tools. Names load on first use, so `ortforge --help` stays instant.
 """
 
 import importlib
@@ -12,6 +12,9 @@ _EXPORTS = {
     "IncrementalDetokenizer": "ortforge.generate",
     "TextGenerator": "ortforge.generate",
     "greedy_tokens": "ortforge.greedy",
+    "Sampling": "ortforge.sampling",
+    "BatchDecoder": "ortforge.batch",
+    "Scheduler": "ortforge.scheduler",
     "check_validated": "ortforge.manifest",
     "SessionSettings": "ortforge.session",
     "create_session": "ortforge.session",

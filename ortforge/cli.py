@@ -3,7 +3,11 @@
 `ortforge.commands` entry points, so an install of the runtime alone stays small:
 
     ortforge generate TARGET "prompt"  stream tokens from a validated variant (TARGET: its folder,
-                                       or with the build side a model of params.yaml)
+                                       or with the build side a model of params.yaml); greedy, or
+                                       sampled (--temperature, --top-k, --top-p, --seed), with
+                                       --chat through the model's chat template, --stop TEXT
+    ortforge serve TARGET              an OpenAI-compatible server (the serve extra), batching
+                                       concurrent requests
     ortforge build / status / bench / report / doctor     with the build side (flows/commands.py)
 
 Heavy libraries load inside the commands that need them, so `--help` answers at once. Every
@@ -96,6 +100,24 @@ def _shown(folder: Path) -> str:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from ortforge.generate import TextGenerator
+
+    folder = _validated_folder(args)
+    prompt = _stdin_text() if args.prompt == "-" else _argument_text(args.prompt)
+    sampling, messages = _sampling(args), _messages(args, prompt)  # bad options stop before the model loads
+    generator = TextGenerator(folder, prompt_lookup=args.prompt_lookup)
+    if args.chat:
+        pieces = generator.chat(messages, args.max_new_tokens, sampling, args.stop)
+    else:
+        pieces = generator.stream(prompt, args.max_new_tokens, sampling, args.stop)
+    print(f"[{_shown(folder)}]", file=sys.stderr)
+    for piece in pieces:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def _validated_folder(args: argparse.Namespace) -> Path:
     from ortforge.manifest import check_validated
 
     folder = artifact_folder(args.root, args.target, args.variant)
@@ -103,12 +125,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
         check_validated(folder)  # never run an artifact that failed validation or changed since
     except ValueError as error:
         raise CliError(f"{error}; build and validate it (`ortforge build`), or pick a validated variant") from None
-    prompt = _stdin_text() if args.prompt == "-" else _argument_text(args.prompt)
-    print(f"[{_shown(folder)}]", file=sys.stderr)
-    for piece in TextGenerator(folder, prompt_lookup=args.prompt_lookup).stream(prompt, args.max_new_tokens):
-        sys.stdout.write(piece)
-        sys.stdout.flush()
-    sys.stdout.write("\n")
+    return folder
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        from ortforge import server
+    except ImportError as error:
+        missing = f"ortforge serve needs the serve extra ({error.name} is missing)"
+        raise CliError(f"{missing}: pip install 'ortforge[serve]'") from None
+    folder = _validated_folder(args)
+    server.serve(folder, args.host, args.port, args.slots, args.queue, args.prefix_cache_mb)
     return 0
 
 
@@ -121,11 +148,55 @@ def expected_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
+def _sampling_arguments(sub: argparse.ArgumentParser) -> None:
+    group = sub.add_argument_group("sampling and chat (default: greedy, the prompt as plain text)")
+    group.add_argument("--temperature", type=float, default=0.0, help="above 0 samples; 0 (default) is greedy")
+    group.add_argument("--top-k", type=int, default=0, metavar="K", help="sample among the K most likely tokens")
+    group.add_argument("--top-p", type=float, default=1.0, metavar="P", help="sample within probability mass P")
+    group.add_argument("--seed", type=int, help="the random seed: the same seed gives the same text")
+    group.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R", help="above 1 penalizes repeats")
+    group.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop before TEXT (repeatable)")
+    group.add_argument("--chat", action="store_true", help="the prompt is a user message, through the chat template")
+    group.add_argument("--system", metavar="TEXT", help="with --chat: a system message before it")
+
+
+def _serve_command(commands) -> None:
+    help_text = "serve a validated variant over an OpenAI-compatible HTTP API, batching concurrent requests"
+    sub = commands.add_parser("serve", help=help_text, description=help_text)
+    sub.set_defaults(handler=cmd_serve)
+    sub.add_argument("target", help="a variant's folder, or (with the build side) a model of params.yaml")
+    sub.add_argument("--variant", help="with a model: default, the variant its report recommends")
+    sub.add_argument("--host", default="127.0.0.1", help="the address to bind (default 127.0.0.1: this machine only)")
+    sub.add_argument("--port", type=int, default=8000)
+    sub.add_argument("--slots", type=positive, default=4, help="sequences decoded together (default 4)")
+    sub.add_argument("--queue", type=int, default=16, help="requests that may wait for a slot before 429 (default 16)")
+    sub.add_argument(
+        "--prefix-cache-mb",
+        type=float,
+        default=128,
+        metavar="MB",
+        help="memory for reusing shared prompt starts, least recently used evicted (default 128; 0: off)",
+    )
+
+
+def _sampling(args: argparse.Namespace):
+    from ortforge.sampling import Sampling
+
+    return Sampling(args.temperature, args.top_k, args.top_p, args.repetition_penalty, args.seed)
+
+
+def _messages(args: argparse.Namespace, prompt: str) -> list[dict]:
+    if args.system is not None and not args.chat:
+        raise CliError("--system applies to chat; add --chat")
+    system = [{"role": "system", "content": args.system}] if args.system is not None else []
+    return [*system, {"role": "user", "content": prompt}]
+
+
 def parser() -> argparse.ArgumentParser:
     top = OneLineParser(prog="ortforge", description=__doc__.splitlines()[0])
     top.add_argument("--root", type=Path, default=Path("."), help="the repository root (default: .)")
     commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    help_text = "stream a greedy continuation of a prompt from a validated variant"
+    help_text = "stream a continuation of a prompt (greedy unless --temperature) from a validated variant"
     sub = commands.add_parser("generate", help=help_text, description=help_text)
     sub.set_defaults(handler=cmd_generate)
     sub.add_argument("target", help="a variant's folder, or (with the build side) a model of params.yaml")
@@ -139,6 +210,8 @@ def parser() -> argparse.ArgumentParser:
         metavar="N",
         help="check up to N draft tokens looked up in the text per step: faster where the text repeats",
     )
+    _sampling_arguments(sub)
+    _serve_command(commands)
     for plugin in _plugins(COMMANDS):
         plugin.add_commands(commands)
     return top

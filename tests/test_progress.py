@@ -3,6 +3,8 @@ everything else in logs/build.log, whose path is printed first and named again b
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from flows.progress import LOG, StageLines
@@ -36,7 +38,10 @@ def test_one_line_per_stage_with_its_own_message_and_problems_as_they_come():
 @pytest.mark.e2e
 def test_build_prints_a_screen_and_logs_the_rest(built_clone):  # noqa: F811
     set_param(built_clone, ["quantize", "int4", "block_size"], 16)  # int4's quantize, validate, bench, report
-    result = ortforge(built_clone, "build")
+    # As `.venv/bin/ortforge build` from a shell that never activated the venv: the stages' `python`
+    # must still be the venv's.
+    unactivated = {**os.environ, "PATH": os.defpath, "VIRTUAL_ENV": ""}
+    result = ortforge(built_clone, "build", env=unactivated)
     assert result.returncode == 0, result.stderr[-2000:]
     # Not a terminal here, so no progress bar redraws either: only the lines a log reader needs.
     lines = [line for line in (result.stdout + result.stderr).replace("\r", "\n").splitlines() if line.strip()]

@@ -1,5 +1,5 @@
 """The runtime stands alone: a wheel built from this repository, installed into a fresh virtual
-environment, brings onnxruntime, numpy and tokenizers and nothing of the build (no torch,
+environment, brings onnxruntime, numpy, tokenizers and Jinja2 and nothing of the build (no torch,
 transformers, DVC or Prefect), and `ortforge generate` runs a validated artifact folder with it;
 the build's commands say how to get the build side."""
 

@@ -1,0 +1,158 @@
+"""Continuous batching: requests wait in a bounded queue, join the running batch at the next step
+(their prompt prefilled into a free row), advance together one token per step, and leave when they
+end, are cancelled (a client that went away) or hit their limit; their row is free at once.
+
+One thread owns the model (a `Scheduler`); callers submit a `Job` from any thread and get tokens
+through its callbacks, called on that thread. Each job samples with its own seeded generator, so
+its tokens are those of a batch-1 run of it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ortforge.batch import BatchDecoder, PrefixCache
+from ortforge.sampling import Sampler, Sampling
+
+STOPPED, LENGTH, CANCELLED = "stop", "length", "cancelled"
+
+
+class QueueFull(Exception):
+    """Every slot is busy and the queue is full: the caller should retry later."""
+
+
+@dataclass
+class Job:
+    prompt_ids: list[int]
+    max_new_tokens: int
+    on_token: Callable[[int], None]
+    on_end: Callable[[str], None]  # STOPPED (an end-of-sequence token), LENGTH, CANCELLED, or an error
+    sampling: Sampling = field(default_factory=Sampling)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self):
+        self.sampler = Sampler(self.sampling)
+        self.seen = list(self.prompt_ids)
+        self.produced = 0
+        self.last = -1
+
+
+class Scheduler:
+    def __init__(self, generator, slots: int = 4, queue_size: int = 16, prefix_cache_mb: float = 0):
+        """generator: a TextGenerator (its session, stop ids and prompt checks); prefix_cache_mb: the
+        memory shared prompt starts may keep (0: no prefix reuse)."""
+        if queue_size < 0 or prefix_cache_mb < 0:
+            raise ValueError(f"queue_size {queue_size} and prefix_cache_mb {prefix_cache_mb} must be >= 0")
+        self.generator, self.queue_size = generator, queue_size
+        prefixes = PrefixCache(int(prefix_cache_mb * 1e6)) if prefix_cache_mb else None
+        if BatchDecoder.supports(generator.session):
+            self.batch = BatchDecoder(generator.session, slots, generator.settings.prefill_chunk, prefixes)
+            self.note = f"continuous batching over {slots} slots" + (
+                f", prefix cache {prefix_cache_mb:g} MB" if prefixes else ""
+            )
+        else:
+            self.batch = None
+            self.note = "this graph has no shared KV buffers: one sequence per run, requests take turns"
+        self.slots = slots if self.batch else 1
+        self.active: dict[int, Job] = {}
+        self.widest_step = 0  # the most rows one run has advanced together (for tests and stats)
+        self.joined_running = 0  # jobs that joined while others were decoding
+        self._pending: deque[Job] = deque()
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="ortforge-scheduler", daemon=True)
+
+    def start(self) -> Scheduler:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
+
+    @property
+    def queued(self) -> int:
+        return len(self._pending)
+
+    def submit(self, job: Job) -> None:
+        """Queue a job (its prompt already checked against the context); QueueFull when the queue is."""
+        with self._wake:
+            if len(self.active) + len(self._pending) >= self.slots + self.queue_size:
+                raise QueueFull(f"all {self.slots} slots are busy and {self.queue_size} requests wait already")
+            self._pending.append(job)
+            self._wake.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not (self._pending or self.active or self._stopping):
+                    self._wake.wait()
+                if self._stopping:
+                    return
+                joining = []
+                while self._pending and len(self.active) + len(joining) < self.slots:
+                    joining.append(self._pending.popleft())
+            if self.batch is None:
+                for job in joining:
+                    self._run_alone(job)
+                continue
+            self.joined_running += len(joining) if self.active else max(0, len(joining) - 1)
+            for job in joining:
+                self._join(job)
+            if self.active:
+                self._step()
+
+    def _join(self, job: Job) -> None:
+        if job.cancelled.is_set():
+            return job.on_end(CANCELLED)
+        row = self.batch.free_rows()[0]
+        try:
+            logits = self.batch.prefill(row, job.prompt_ids)
+        except Exception as error:  # noqa: BLE001 - the job ends with the reason; the server goes on
+            self.batch.release(row)
+            return job.on_end(f"error: {error}")
+        self.active[row] = job
+        self._advance(row, job, logits)
+
+    def _step(self) -> None:
+        tokens = {row: job.last for row, job in self.active.items()}
+        self.widest_step = max(self.widest_step, len(tokens))
+        for row, logits in self.batch.step(tokens).items():
+            self._advance(row, self.active[row], logits)
+
+    def _advance(self, row: int, job: Job, logits) -> None:
+        """Pick the job's next token, hand it over, and free the row when the job has ended."""
+        end = self._next(job, logits)
+        if end:
+            del self.active[row]
+            self.batch.release(row)
+            job.on_end(end)
+
+    def _next(self, job: Job, logits) -> str | None:
+        if job.cancelled.is_set():
+            return CANCELLED
+        token = job.sampler.pick(logits, job.seen)
+        job.seen.append(token)
+        job.produced += 1
+        job.last = token
+        job.on_token(token)
+        if token in self.generator.stop_ids:
+            return STOPPED
+        return LENGTH if job.produced == job.max_new_tokens else None
+
+    def _run_alone(self, job: Job) -> None:
+        """A graph without shared buffers: the job's whole generation, one token at a time."""
+        decoder = self.generator.decoder
+        try:
+            logits, cache = decoder.forward(job.prompt_ids, decoder.empty_cache(), last_only=True)
+            while not (end := self._next(job, logits[-1])):
+                logits, cache = decoder.forward([job.last], cache, last_only=True)
+        except Exception as error:  # noqa: BLE001 - the job ends with the reason; the server goes on
+            end = f"error: {error}"
+        job.on_end(end)

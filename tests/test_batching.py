@@ -1,0 +1,132 @@
+"""Batched decode and continuous batching: sequences of different lengths that join and leave a
+running batch get exactly the tokens of a batch-1 run of each (greedy and seeded sampling)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from ortforge.batch import BatchDecoder, PrefixCache
+from ortforge.generate import TextGenerator
+from ortforge.sampling import Sampling
+from ortforge.scheduler import CANCELLED, LENGTH, Job, QueueFull, Scheduler
+
+PROMPTS = [
+    "The GNU General Public License is",
+    "Free software",
+    "the freedom to share and change all versions of a program, to make sure it remains free software",
+    "You",
+    "Developers that use the GNU GPL protect your rights with two steps:",
+]
+
+
+@pytest.fixture(scope="module", params=["fp32", "int4", "int8"])
+def generator(request, built):
+    """Float and MatMulNBits graphs: a many-row matmul must give each row what one row gets."""
+    return TextGenerator(built[request.param])
+
+
+def run_jobs(scheduler: Scheduler, jobs: list[tuple[list[int], int, Sampling]]):
+    """Queue every job, then start the scheduler (so the first ones share the first runs and the
+    rest join as rows free up), and wait for all; each job's tokens and end."""
+    results = [{"tokens": [], "end": None, "done": threading.Event()} for _ in jobs]
+    for (ids, count, sampling), result in zip(jobs, results, strict=True):
+
+        def on_end(end, result=result):
+            result["end"] = end
+            result["done"].set()
+
+        scheduler.submit(Job(ids, count, result["tokens"].append, on_end, sampling))
+    scheduler.start()
+    for result in results:
+        assert result["done"].wait(120)
+    return results
+
+
+def test_a_batched_step_equals_each_sequence_alone(generator):
+    batch = BatchDecoder(generator.session, slots=3)
+    ids = [generator.encode(p) for p in PROMPTS[:3]]
+    first = {row: batch.prefill(row, prompt) for row, prompt in enumerate(ids)}
+    tokens = {row: int(np.argmax(logits)) for row, logits in first.items()}
+    stepped = batch.step(tokens)
+    for row, prompt in enumerate(ids):
+        alone = generator.decoder
+        logits, cache = alone.forward(prompt, alone.empty_cache(), last_only=True)
+        np.testing.assert_allclose(first[row], logits[-1], rtol=1e-5, atol=1e-5)
+        logits, _ = alone.forward([tokens[row]], cache, last_only=True)
+        np.testing.assert_allclose(stepped[row], logits[-1], rtol=1e-5, atol=1e-5)
+
+
+def test_sequences_joining_and_leaving_get_their_batch_1_tokens(generator):
+    scheduler = Scheduler(generator, slots=3, queue_size=8)
+    try:
+        jobs = [(generator.encode(p), n, Sampling()) for p, n in zip(PROMPTS, (12, 3, 9, 16, 5), strict=True)]
+        jobs += [(generator.encode(PROMPTS[0]), 10, Sampling(temperature=1.3, top_p=0.9, seed=s)) for s in (1, 2)]
+        results = run_jobs(scheduler, jobs)
+    finally:
+        scheduler.stop()
+    for (ids, count, sampling), result in zip(jobs, results, strict=True):
+        assert result["tokens"] == generator.generate_ids(ids, count, sampling)
+        assert result["end"] in (LENGTH, "stop")
+    assert scheduler.widest_step >= 2 and scheduler.joined_running >= 1  # they really shared runs
+    assert scheduler.active == {} and scheduler.batch.free_rows() == [0, 1, 2]
+
+
+def test_a_cancelled_job_frees_its_row_at_the_next_step(generator):
+    scheduler = Scheduler(generator, slots=1, queue_size=1).start()
+    try:
+        started, ended = threading.Event(), []
+        job = Job(generator.encode(PROMPTS[0]), 10_000, lambda _: started.set(), ended.append)
+        scheduler.submit(job)
+        assert started.wait(30)
+        with pytest.raises(QueueFull):  # the slot is busy and one more may wait: a third is refused
+            scheduler.submit(Job([1], 1, print, print))
+            scheduler.submit(Job([1], 1, print, print))
+        job.cancelled.set()
+        deadline = time.time() + 10
+        while ended[:1] != [CANCELLED] and time.time() < deadline:
+            time.sleep(0.01)
+        assert ended[0] == CANCELLED
+    finally:
+        scheduler.stop()
+
+
+def test_a_graph_without_shared_buffers_takes_turns_and_says_so(built_optimum):
+    generator = TextGenerator(built_optimum["fp32"])
+    scheduler = Scheduler(generator, slots=4)
+    try:
+        assert scheduler.slots == 1 and "one sequence per run" in scheduler.note
+        jobs = [(generator.encode(p), 6, Sampling()) for p in PROMPTS[:3]]
+        results = run_jobs(scheduler, jobs)
+    finally:
+        scheduler.stop()
+    assert [r["tokens"] for r in results] == [generator.generate_ids(ids, n, s) for ids, n, s in jobs]
+
+
+def test_a_shared_prompt_start_is_reused_and_gives_the_same_tokens(generator):
+    scheduler = Scheduler(generator, slots=2, queue_size=8, prefix_cache_mb=64)
+    system = PROMPTS[2] + " " + PROMPTS[4]  # a system prompt both requests start with
+    asks = [generator.encode(system + " Question one:"), generator.encode(system + " And another one")]
+    shared = next(i for i, (a, b) in enumerate(zip(*asks, strict=False)) if a != b)
+    assert shared >= 16
+    try:
+        results = run_jobs(scheduler, [(ids, 8, Sampling()) for ids in asks])
+    finally:
+        scheduler.stop()
+    assert [r["tokens"] for r in results] == [generator.generate_ids(ids, 8) for ids in asks]
+    assert scheduler.batch.prefixes.reused_tokens == shared  # the second computed only its own end
+
+
+def test_the_prefix_cache_keeps_its_budget_and_evicts_the_least_recently_used():
+    entry = [np.zeros((2, 20, 4), np.float32)]  # 640 bytes
+    cache = PrefixCache(max_bytes=1500, min_tokens=4)
+    cache.add(list(range(20)), entry)
+    cache.add(list(range(100, 120)), entry)
+    assert cache.longest([*range(10), 7])[0] == 10  # the first entry, now the most recently used
+    cache.add(list(range(200, 220)), entry)  # over the budget: the least recently used goes
+    assert cache.longest(list(range(100, 110)))[0] == 0
+    assert cache.longest(list(range(200, 206)))[0] == 6
+    assert cache.longest([0, 1, 2])[0] == 0  # fewer than min_tokens shared: computed as usual

@@ -1,0 +1,173 @@
+"""Sampling (temperature, top-k, top-p, repetition penalty, seed), stop strings and the chat
+template: exact on synthetic distributions, reproducible on a tiny model, refused in one line."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+from ortforge import cli
+from ortforge.chat import render_chat, until_stop
+from ortforge.generate import TextGenerator
+from ortforge.greedy import greedy_tokens
+from ortforge.sampling import Sampler, Sampling, penalized, truncated
+
+PROMPT = "The GNU General Public License is"
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def generator(built):
+    return TextGenerator(built["fp32"])
+
+
+def test_truncation_keeps_the_top_k_then_the_top_p_mass():
+    p = np.array([0.1, 0.4, 0.2, 0.3])
+    assert truncated(p, top_k=2, top_p=1.0) == pytest.approx([0, 4 / 7, 0, 3 / 7])
+    assert truncated(p, top_k=0, top_p=0.7) == pytest.approx([0, 4 / 7, 0, 3 / 7])  # 0.4 + 0.3 reach 0.7
+    assert truncated(p, top_k=0, top_p=0.71) == pytest.approx([0, 4 / 9, 2 / 9, 3 / 9])
+    assert truncated(p, top_k=0, top_p=0.01) == pytest.approx([0, 1, 0, 0])  # the most likely always stays
+
+
+def test_repetition_penalty_makes_seen_tokens_less_likely_whatever_their_sign():
+    logits = np.array([2.0, -2.0, 1.0])
+    assert penalized(logits, [0, 1, 1], 2.0) == pytest.approx([1.0, -4.0, 1.0])
+    assert penalized(logits, [0], 1.0) is logits
+
+
+def test_samples_follow_the_distribution_and_a_seed_repeats_them():
+    logits = np.log(np.array([0.5, 0.3, 0.2]))
+
+    def draws(seed: int) -> np.ndarray:
+        sampler = Sampler(Sampling(temperature=1.0, seed=seed))
+        return np.array([sampler.pick(logits, []) for _ in range(20000)])
+
+    many = draws(7)
+    assert np.bincount(many, minlength=3) / many.size == pytest.approx([0.5, 0.3, 0.2], abs=0.015)
+    assert (draws(7) == many).all() and (draws(8) != many).any()
+    cold = Sampler(Sampling(temperature=0.05, seed=1))
+    assert {cold.pick(logits, []) for _ in range(200)} == {0}  # a low temperature concentrates on the top
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"temperature": -1}, "temperature -1 must be >= 0"),
+        ({"temperature": float("nan")}, "temperature nan must be >= 0"),
+        ({"temperature": 1, "top_p": 0}, "top_p 0 must be in (0, 1]"),
+        ({"temperature": 1, "top_k": -3}, "top_k -3 must be >= 0"),
+        ({"repetition_penalty": 0}, "repetition_penalty 0 must be > 0"),
+        ({"top_p": 0.9}, "top_k and top_p apply when sampling; give a temperature above 0"),
+    ],
+)
+def test_bad_sampling_settings_are_refused_in_one_line(settings, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        Sampling(**settings)
+
+
+def test_greedy_is_the_default_and_top_k_1_is_greedy(generator):
+    ids = generator.encode_prompt(PROMPT)
+    greedy = list(greedy_tokens(generator.decoder, ids, 12, generator.stop_ids))
+    assert generator.generate_ids(ids, 12) == greedy
+    assert generator.generate_ids(ids, 12, Sampling(temperature=1.0, top_k=1, seed=3)) == greedy
+
+
+def test_a_seed_gives_the_same_tokens_and_seeds_differ(generator):
+    ids = generator.encode_prompt(PROMPT)
+    runs = {seed: generator.generate_ids(ids, 16, Sampling(temperature=1.5, seed=seed)) for seed in (1, 2, 3)}
+    assert generator.generate_ids(ids, 16, Sampling(temperature=1.5, seed=1)) == runs[1]
+    assert len({tuple(tokens) for tokens in runs.values()}) > 1
+
+
+def test_repetition_penalty_changes_greedy_text_away_from_repeats(generator):
+    ids = generator.encode_prompt(PROMPT)
+    penalized_ids = generator.generate_ids(ids, 24, Sampling(repetition_penalty=5.0))
+    plain = generator.generate_ids(ids, 24)
+    assert penalized_ids != plain
+    repeats = lambda tokens: len(tokens) - len(set(tokens))  # noqa: E731
+    assert repeats(penalized_ids) <= repeats(plain)
+
+
+def test_prompt_lookup_refuses_to_draft_sampled_tokens(built):
+    with pytest.raises(ValueError, match="prompt lookup drafts greedy tokens"):
+        TextGenerator(built["fp32"], prompt_lookup=3).generate(PROMPT, 4, Sampling(temperature=0.8))
+
+
+@pytest.mark.parametrize(
+    "pieces, stops, shown",
+    [
+        (["Hello wor", "ld. Bye"], ("world",), "Hello "),
+        (["ab", "c<", "|e", "nd|>", "more"], ("<|end|>",), "abc"),
+        (["ab<", "x"], ("<|end|>",), "ab<x"),  # a held-back start that turns out not to be a stop
+        (["no stop here"], ("zz",), "no stop here"),
+        (["stop first"], ("stop",), ""),
+    ],
+)
+def test_stop_strings_end_the_text_before_them_and_are_never_shown(pieces, stops, shown):
+    assert "".join(until_stop(iter(pieces), stops)) == shown
+
+
+def test_text_that_may_start_a_stop_is_held_back_only_until_the_next_piece_decides():
+    assert list(until_stop(iter(["ab", "c<", "|e", "nd|>"]), ("<|end|>",))) == ["ab", "c"]
+    assert list(until_stop(iter(["ab<", "x", "y"]), ("<|end|>",))) == ["ab", "<x", "y"]
+
+
+def test_generation_stops_at_a_stop_string(generator):
+    text = generator.generate(PROMPT, 24)
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    cut = generator.generate(PROMPT, 24, stop=[stop])
+    assert cut == text[: text.index(stop)]
+    with pytest.raises(ValueError, match="stop strings must be non-empty"):
+        generator.generate(PROMPT, 4, stop=[""])
+
+
+def test_chat_renders_the_models_template_and_encodes_without_extra_special_tokens(built, tmp_path):
+    folder = tmp_path / "chat"
+    shutil.copytree(built["fp32"], folder)
+    (folder / "chat_template.jinja").write_text(CHATML, encoding="utf-8")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    text = render_chat(folder, messages)
+    assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    chat = TextGenerator(folder)
+    assert chat.encode_chat(messages) == chat.encode(text, add_special_tokens=False)
+    reply = "".join(chat.chat(messages, 8))
+    assert reply == chat.tokenizer.decode(chat.generate_ids(chat.encode_chat(messages), 8), skip_special_tokens=True)
+
+
+def test_chat_refuses_a_folder_without_template_and_bad_messages(built, tmp_path):
+    folder = tmp_path / "plain"
+    shutil.copytree(built["fp32"], folder)
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    with pytest.raises(ValueError, match="has no chat template"):
+        render_chat(folder, [{"role": "user", "content": "Hi"}])
+    (folder / "chat_template.jinja").write_text(CHATML, encoding="utf-8")
+    with pytest.raises(ValueError, match="message 0 must be"):
+        render_chat(folder, [{"role": "wizard", "content": "Hi"}])
+    with pytest.raises(ValueError, match="no messages"):
+        render_chat(folder, [])
+
+
+def test_generate_command_samples_reproducibly_and_refuses_bad_options(built, params, tmp_path, capsys):
+    from tests.test_text_encoding import validated_project
+
+    root = validated_project(built, params, tmp_path)
+    args = ["--root", str(root), "generate", "tiny", PROMPT, "--variant", "int4", "--max-new-tokens", "12"]
+    sampled = [*args, "--temperature", "1.2", "--top-p", "0.9", "--seed", "5"]
+    assert cli.main(sampled) == 0
+    first = capsys.readouterr().out
+    assert cli.main(sampled) == 0 and capsys.readouterr().out == first
+    folder = root / "artifacts" / "tiny" / "variants" / "int4"
+    assert first == "".join(TextGenerator(folder).stream(PROMPT, 12, Sampling(1.2, 0, 0.9, 1.0, 5))) + "\n"
+    for bad, message in [
+        (["--top-p", "0.5"], "top_k and top_p apply when sampling"),
+        (["--system", "Be brief."], "--system applies to chat; add --chat"),
+        (["--chat"], "has no chat template"),
+    ]:
+        assert cli.main([*args, *bad]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
