@@ -27,14 +27,14 @@ def commands(parser) -> dict:
 
 def test_every_command_is_registered_with_a_handler():
     registered = commands(cli.parser())
-    assert set(registered) == {"build", "status", "bench", "report", "generate", "doctor"}
+    assert set(registered) == {"build", "status", "bench", "report", "generate", "serve", "doctor"}
     for name, sub in registered.items():
         assert callable(sub.get_default("handler")), name
 
 
-def test_the_runtime_alone_has_generate_only(monkeypatch):
+def test_the_runtime_alone_has_generate_and_serve_only(monkeypatch):
     monkeypatch.setattr(cli, "_plugins", lambda group: [])
-    assert set(commands(cli.parser())) == {"generate"}
+    assert set(commands(cli.parser())) == {"generate", "serve"}
 
 
 def test_a_folder_without_a_model_needs_the_build_side_to_name_a_model(monkeypatch, tmp_path):

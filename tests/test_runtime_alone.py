@@ -61,6 +61,12 @@ def test_generate_runs_an_artifact_folder_with_the_runtime_alone(runtime_venv, b
     assert result.stdout == "".join(TextGenerator(folder).stream(prompt, 12)) + "\n"
 
 
+def test_serve_says_how_to_get_the_serve_extra(runtime_venv, tmp_path):
+    result = subprocess.run([runtime_venv / "ortforge", "serve", str(tmp_path)], capture_output=True, text=True)
+    assert result.returncode == 2 and result.stderr.strip().count("\n") == 0
+    assert "ortforge serve needs the serve extra" in result.stderr and "pip install 'ortforge[serve]'" in result.stderr
+
+
 def test_build_commands_say_how_to_get_the_build_side(runtime_venv, tmp_path):
     result = subprocess.run([runtime_venv / "ortforge", "build"], capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == 2
