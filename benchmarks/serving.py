@@ -3,7 +3,7 @@
 serve` and, when installed, llama.cpp's `llama-server` (`--parallel N`, continuous batching) on the
 same model's GGUF, driven by the same load generator over HTTP and interleaved per concurrency.
 
-    python benchmarks/serving.py [--model smollm2-135m] [--variant int4] [--streams 1,4,8]
+    python benchmarks/serving.py [--model smollm2-135m] [--variant int4,int8,fp32] [--streams 1,4,8]
                                  [--prompt-tokens 128] [--new-tokens 64] [--requests 2]
 
 Each stream sends --requests streamed completions one after another (greedy); a request's prompt is
@@ -254,16 +254,19 @@ def plot(report: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--variant", default="int4")
+    parser.add_argument("--variant", default="int4,int8,fp32", help="variants to serve, comma-separated")
     parser.add_argument("--streams", default="1,4,8")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--requests", type=int, default=2, help="requests each stream sends in turn")
     parser.add_argument("--prefix-tokens", type=int, default=1024, help="the shared prefix of the reuse test")
     args = parser.parse_args(argv)
-    folder = paths.variant_dir(args.model, args.variant)
-    if not (folder / "model.onnx").is_file():
-        raise SystemExit(f"error: {folder} is missing; run `dvc repro` first")
+    variants = args.variant.split(",")
+    folders = {v: paths.variant_dir(args.model, v) for v in variants}
+    for folder in folders.values():
+        if not (folder / "model.onnx").is_file():
+            raise SystemExit(f"error: {folder} is missing; run `dvc repro` first")
+    folder = folders[variants[0]]
     llama = os.environ.get("LLAMA_SERVER") or shutil.which("llama-server")
     gguf = gguf_file(args.model)
     report = {
@@ -279,18 +282,18 @@ def main(argv: list[str] | None = None) -> int:
     for streams in [int(s) for s in args.streams.split(",")]:
         print(f"{streams} concurrent stream(s)", flush=True)
         prompts = stream_prompts(streams, args.requests, args.prompt_tokens, folder)
-        port = free_port()
-        name = f"ortforge serve ({args.variant})"
-        command = ortforge_command(folder, port, streams)
-        result = measure(name, command, port, f"{args.model}/{args.variant}", prompts, args.new_tokens)
-        report["servers"].setdefault(name, {})[str(streams)] = result
+        for variant, served in folders.items():
+            port, name = free_port(), f"ortforge serve ({variant})"
+            command = ortforge_command(served, port, streams)
+            result = measure(name, command, port, f"{args.model}/{variant}", prompts, args.new_tokens)
+            report["servers"].setdefault(name, {})[str(streams)] = result
         if llama and gguf:
             port, name = free_port(), f"llama-server ({gguf.name})"
             command = llama_command(llama, gguf, port, streams, context)
             result = measure(name, command, port, "gguf", prompts, args.new_tokens)
             report["servers"].setdefault(name, {})[str(streams)] = result
     print("prefix reuse", flush=True)
-    report["prefix_reuse"] = prefix_reuse(folder, f"{args.model}/{args.variant}", args.prefix_tokens, 8)
+    report["prefix_reuse"] = prefix_reuse(folder, f"{args.model}/{variants[0]}", args.prefix_tokens, 8)
     if not (llama and gguf):
         report["llama_server"] = "not installed here (no llama-server on PATH or LLAMA_SERVER)"
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -155,7 +155,7 @@ def serving() -> str:
         )
     workload = (
         f"{report['prompt_tokens']}-token prompts, {report['new_tokens']} new tokens, greedy, "
-        f"{report['requests_per_stream']} requests per stream, {report['cpus']} cores, {report['variant']}:"
+        f"{report['requests_per_stream']} requests per stream, {report['cpus']} cores:"
     )
     return f"{workload}\n\n{serving_table(report)}{note}"
 
