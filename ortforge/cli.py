@@ -160,12 +160,17 @@ def _sampling_arguments(sub: argparse.ArgumentParser) -> None:
     group.add_argument("--system", metavar="TEXT", help="with --chat: a system message before it")
 
 
+def _target_arguments(sub: argparse.ArgumentParser) -> None:
+    """What to run: an artifact folder, or a model of params.yaml and (optionally) its variant."""
+    sub.add_argument("target", help="a variant's folder, or (with the build side) a model of params.yaml")
+    sub.add_argument("--variant", help="with a model: default, the variant its report recommends")
+
+
 def _serve_command(commands) -> None:
     help_text = "serve a validated variant over an OpenAI-compatible HTTP API, batching concurrent requests"
     sub = commands.add_parser("serve", help=help_text, description=help_text)
     sub.set_defaults(handler=cmd_serve)
-    sub.add_argument("target", help="a variant's folder, or (with the build side) a model of params.yaml")
-    sub.add_argument("--variant", help="with a model: default, the variant its report recommends")
+    _target_arguments(sub)
     sub.add_argument("--host", default="127.0.0.1", help="the address to bind (default 127.0.0.1: this machine only)")
     sub.add_argument("--port", type=int, default=8000)
     sub.add_argument("--slots", type=positive, default=4, help="sequences decoded together (default 4)")
@@ -199,9 +204,8 @@ def parser() -> argparse.ArgumentParser:
     help_text = "stream a continuation of a prompt (greedy unless --temperature) from a validated variant"
     sub = commands.add_parser("generate", help=help_text, description=help_text)
     sub.set_defaults(handler=cmd_generate)
-    sub.add_argument("target", help="a variant's folder, or (with the build side) a model of params.yaml")
+    _target_arguments(sub)
     sub.add_argument("prompt", help="the prompt text, or - to read it from stdin (UTF-8)")
-    sub.add_argument("--variant", help="with a model: default, the variant its report recommends")
     sub.add_argument("--max-new-tokens", type=positive, default=64, metavar="N")
     sub.add_argument(
         "--prompt-lookup",
