@@ -123,7 +123,15 @@ class Scheduler:
     def _step(self) -> None:
         tokens = {row: job.last for row, job in self.active.items()}
         self.widest_step = max(self.widest_step, len(tokens))
-        for row, logits in self.batch.step(tokens).items():
+        try:
+            stepped = self.batch.step(tokens)
+        except Exception as error:  # noqa: BLE001 - every running job ends with the reason; the loop goes on
+            for row, job in list(self.active.items()):
+                del self.active[row]
+                self.batch.release(row)
+                job.on_end(f"error: {error}")
+            return
+        for row, logits in stepped.items():
             self._advance(row, self.active[row], logits)
 
     def _advance(self, row: int, job: Job, logits) -> None:

@@ -29,7 +29,7 @@ def generator(request, built):
     return TextGenerator(built[request.param])
 
 
-def run_jobs(scheduler: Scheduler, jobs: list[tuple[list[int], int, Sampling]]):
+def run_jobs(scheduler: Scheduler, jobs: list[tuple[list[int], int, Sampling]], start: bool = True):
     """Queue every job, then start the scheduler (so the first ones share the first runs and the
     rest join as rows free up), and wait for all; each job's tokens and end."""
     results = [{"tokens": [], "end": None, "done": threading.Event()} for _ in jobs]
@@ -40,7 +40,8 @@ def run_jobs(scheduler: Scheduler, jobs: list[tuple[list[int], int, Sampling]]):
             result["done"].set()
 
         scheduler.submit(Job(ids, count, result["tokens"].append, on_end, sampling))
-    scheduler.start()
+    if start:  # (False: it is running already)
+        scheduler.start()
     for result in results:
         assert result["done"].wait(120)
     return results
@@ -130,3 +131,25 @@ def test_the_prefix_cache_keeps_its_budget_and_evicts_the_least_recently_used():
     assert cache.longest(list(range(100, 110)))[0] == 0
     assert cache.longest(list(range(200, 206)))[0] == 6
     assert cache.longest([0, 1, 2])[0] == 0  # fewer than min_tokens shared: computed as usual
+
+
+def test_a_failing_step_ends_the_running_jobs_with_the_reason_and_the_loop_goes_on(generator, monkeypatch):
+    scheduler = Scheduler(generator, slots=2)
+
+    def broken(self, tokens):
+        raise RuntimeError("kernel failed")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(BatchDecoder, "step", broken)
+        try:
+            results = run_jobs(scheduler, [(generator.encode(p), 5, Sampling()) for p in PROMPTS[:2]])
+        except BaseException:
+            scheduler.stop()
+            raise
+    assert [r["end"] for r in results] == ["error: kernel failed"] * 2
+    assert scheduler.batch.free_rows() == [0, 1]
+    try:  # the same scheduler serves the next request once the model runs again
+        (after,) = run_jobs(scheduler, [(generator.encode(PROMPTS[0]), 4, Sampling())], start=False)
+    finally:
+        scheduler.stop()
+    assert after["tokens"] == generator.generate_ids(generator.encode(PROMPTS[0]), 4)
