@@ -95,8 +95,8 @@ class Service:
 
     def submit(self, prompt_ids: list[int], body: Settings, default_tokens: int) -> tuple[Reply, Job]:
         """Queue the request; ApiError for a bad setting, a prompt past the context or a full queue."""
-        max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
-        max_tokens = default_tokens if max_tokens is None else max_tokens
+        asked = [getattr(body, "max_completion_tokens", None), body.max_tokens]  # chat's newer name first
+        max_tokens = next((n for n in asked if n is not None), default_tokens)
         if max_tokens < 1:
             raise ApiError(400, f"max_tokens {max_tokens} must be at least 1")
         if body.n != 1:

@@ -173,6 +173,13 @@ def test_bad_requests_get_openai_style_errors(server, body, status, says):
     assert says in error["message"] and error["type"] == "invalid_request_error"
 
 
+def test_chat_refuses_max_completion_tokens_0(server):
+    url, _ = server
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 0}
+    answer = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30)
+    assert answer.status_code == 400 and "max_tokens 0 must be at least 1" in answer.json()["error"]["message"]
+
+
 def test_the_openai_client_sees_the_errors_it_knows(client):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="other", prompt="x")
