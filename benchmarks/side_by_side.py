@@ -20,6 +20,7 @@ side_by_side.png and prints the tables. Takes about 10 minutes on 2 cores.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -93,10 +94,7 @@ def genai_int4(model: str) -> Path | None:
 
 
 def gguf_file(model: str) -> Path | None:
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        return None
+    """The GGUF the model was built from, when a package ships it (llama.cpp's peers run it)."""
     source = json.loads((paths.hf_dir(model) / paths.SOURCE_FILE).read_text(encoding="utf-8"))
     if source.get("kind") == "gguf_package":
         import importlib.metadata
@@ -124,7 +122,7 @@ def short_engines(model: str) -> dict[str, dict]:
         }
     if (built := genai_int4(model)) is not None:
         specs["onnxruntime-genai int4 + its runtime"] = {"kind": "genai", "path": str(built)}
-    if (gguf := gguf_file(model)) is not None:
+    if (gguf := gguf_file(model)) is not None and importlib.util.find_spec("llama_cpp") is not None:
         specs[f"llama.cpp, {gguf.name.split('.')[-2]} GGUF"] = {"kind": "llamacpp", "path": str(gguf)}
     return specs
 
