@@ -28,7 +28,7 @@ from ortforge.decoder import INITIAL_CAPACITY, Decoder
 
 
 class PrefixCache:
-    """Keys and values of recent prompts, per layer [kv_heads, tokens, head_dim], within max_bytes;
+    """Keys and values of recent prompts, per layer [kv_heads, tokens, cache_dim], within max_bytes;
     the least recently used entry goes first. A prompt reuses the longest start it shares with an
     entry, when that start is at least min_tokens long."""
 
@@ -169,7 +169,7 @@ class BatchDecoder:
         capacity = max(INITIAL_CAPACITY, self._capacity)
         while capacity < total:
             capacity *= 2
-        shape = (self.slots, self.single.kv_heads, capacity, self.single.head_dim)
+        shape = (self.slots, self.single.kv_heads, capacity, self.single.cache_dim)
         grown = [np.zeros(shape, self.single.kv_dtype) for _ in self._past]
         for new, old in zip(grown, self._arrays, strict=False):
             new[:, :, : self._capacity] = old

@@ -9,6 +9,10 @@ Two cache layouts, recorded in the model's metadata by the quantize stage (names
 - chained: graphs that concatenate past and new (optimum's export) return a grown present; its
   onnxruntime values are bound as the next step's past directly, never converted to numpy.
 
+A shared cache may be stored quantized (int8, or 4-bit packed in uint8; the quantize stage's
+kv_cache setting): the graph quantizes what it writes and dequantizes what it reads with scales it
+carries, and the buffers here are only smaller (names.KV_CACHE_BITS_KEY says how many bits).
+
 The cache belongs to the decoder: a new empty_cache() starts a new sequence, rewind() cuts it back.
 A long prompt may run in chunks (prefill_chunk tokens each): same result, bounded activation memory.
 """
@@ -23,7 +27,13 @@ import onnxruntime as ort
 from ortforge import names
 from ortforge.session import SessionSettings, create_session
 
-ORT_TO_NUMPY = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+# A quantized cache (GroupQueryAttention's k/v_quant_type) holds int8, or uint8 with two 4-bit values.
+ORT_TO_NUMPY = {
+    "tensor(float)": np.float32,
+    "tensor(float16)": np.float16,
+    "tensor(int8)": np.int8,
+    "tensor(uint8)": np.uint8,
+}
 INITIAL_CAPACITY = 256
 NOT_PICKLABLE = (
     "an onnxruntime session cannot be pickled or sent to another process; create a TextGenerator "
@@ -61,6 +71,8 @@ class Decoder:
         self.kv_heads = int(key.shape[1])
         self.head_dim = _head_dim(key, metadata, head_dim)
         self.kv_dtype = ORT_TO_NUMPY[key.type]
+        self.kv_bits = int(metadata.get(names.KV_CACHE_BITS_KEY, 8 * np.dtype(self.kv_dtype).itemsize))
+        self.cache_dim = self.head_dim * self.kv_bits // (8 * np.dtype(self.kv_dtype).itemsize)  # stored per head
         self.shared = (layout or metadata.get(names.KV_LAYOUT_KEY)) == names.KV_SHARED
         # None for a graph without the tag (an export not made by the quantize stage): no limit known.
         self.context_length = int(metadata[names.CONTEXT_LENGTH_KEY]) if names.CONTEXT_LENGTH_KEY in metadata else None
@@ -80,7 +92,7 @@ class Decoder:
         self._capacity = 0
         self._ones = np.ones((1, 0), dtype=np.int64)
         self._arrays: list[np.ndarray] = []
-        empty = np.zeros((1, self.kv_heads, 0, self.head_dim), self.kv_dtype)
+        empty = np.zeros((1, self.kv_heads, 0, self.cache_dim), self.kv_dtype)
         self._empty = ort.OrtValue.ortvalue_from_numpy(empty)
 
     @classmethod
@@ -91,6 +103,11 @@ class Decoder:
 
     def __reduce__(self):
         raise TypeError(NOT_PICKLABLE)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """What one more token of context costs in the cache: keys and values of every layer."""
+        return 2 * self.num_layers * self.kv_heads * self.head_dim * self.kv_bits // 8
 
     def empty_cache(self) -> KVCache:
         return KVCache(0, [] if self.shared else [self._empty] * len(self._past))
@@ -162,7 +179,7 @@ class Decoder:
             capacity *= 2
         self._ones = np.ones((1, capacity), dtype=np.int64)
         if self.shared:
-            shape = (1, self.kv_heads, capacity, self.head_dim)
+            shape = (1, self.kv_heads, capacity, self.cache_dim)
             grown = [np.zeros(shape, self.kv_dtype) for _ in self._past]
             for new, old in zip(grown, self._arrays, strict=False):
                 new[:, :, :keep] = old[:, :, :keep]

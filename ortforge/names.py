@@ -26,6 +26,9 @@ KV_LAYOUT_KEY = "ortforge.kv_layout"  # "shared": one buffer per layer updated i
 KV_SHARED = "shared"
 HEAD_DIM_KEY = "ortforge.head_dim"  # the KV cache's head size, which genai graphs leave symbolic
 CONTEXT_LENGTH_KEY = "ortforge.context_length"  # positions the model takes: prompt + new tokens must fit
+# Bits per cached key or value when GroupQueryAttention stores the cache quantized (8: int8, 4: two
+# values packed per uint8 along the head); absent: the cache holds floats.
+KV_CACHE_BITS_KEY = "ortforge.kv_cache_bits"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 GENERATION_CONFIG_FILE = "generation_config.json"
 MODEL_CONFIG_FILE = "config.json"

@@ -23,7 +23,7 @@ from tasks.core.stage import StageError, stage_cli
 from tasks.core.versions import lineage_versions
 from tasks.graphs import architecture, onnx_io
 from tasks.graphs.architecture import Architecture
-from tasks.quantization import calibration, coverage, layers, mixed_precision, smoothing, weight_only
+from tasks.quantization import calibration, coverage, kv_cache, layers, mixed_precision, smoothing, weight_only
 from tasks.quantization.configs import QuantizeConfig, needs_calibration
 
 log = logging.getLogger(__name__)
@@ -202,10 +202,11 @@ def add_logits_to_keep(graph) -> None:
     OnnxModel(graph).topological_sort()
 
 
-def tag_for_runtime(graph, arch: Architecture) -> None:
+def tag_for_runtime(graph, arch: Architecture, kv_bits: int | None = None) -> None:
     """Record in the model's metadata what the runtime needs and the graph does not say: the head
-    size (genai graphs leave it symbolic), whether the KV cache is updated in place, and how many
-    positions the model takes (past them, rotary tables run out or the model was never trained)."""
+    size (genai graphs leave it symbolic), whether the KV cache is updated in place (and its bits
+    when stored quantized), and how many positions the model takes (past them, rotary tables run
+    out or the model was never trained)."""
     import onnx
 
     shared = any(node.op_type == "GroupQueryAttention" for node in graph.graph.node)
@@ -215,6 +216,8 @@ def tag_for_runtime(graph, arch: Architecture) -> None:
         names.HEAD_DIM_KEY: str(arch.head_dim),
         names.CONTEXT_LENGTH_KEY: str(arch.context_length),
     }
+    if kv_bits is not None:
+        props[names.KV_CACHE_BITS_KEY] = str(kv_bits)
     onnx.helper.set_model_props(graph, props)
 
 
@@ -233,11 +236,15 @@ def run(
     calib = Calibration(calibration_cfg or CalibrationConfig(), hf_dir / "tokenizer.json", arch.head_dim)
     if needs_calibration(cfg):
         calib.chunks()  # a missing or short text fails here, before the slow part
+    if cfg.kv_bits is not None:
+        kv_cache.check_supported(onnx_io.load(model_dir, with_weights=False), model_dir, cfg.kv_cache)
     log.info("quantizing %s with %s", model_dir, cfg.model_dump(exclude_defaults=True))
     quantized = quantize_graph(cfg, model_dir, calib)
     graph = quantized.graph
     add_logits_to_keep(graph)
-    tag_for_runtime(graph, arch)
+    if cfg.kv_bits is not None:
+        kv_cache.quantize(graph, calib, arch.context_length, arch.head_dim, cfg.kv_bits, cfg.kv_headroom)
+    tag_for_runtime(graph, arch, cfg.kv_bits)
     stored = coverage.weights(graph)
     for note in quantized.notes:
         log.warning("%s", note)

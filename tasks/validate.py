@@ -32,7 +32,7 @@ from tasks.evaluation.metrics import (
     greedy,
     matching_prefix,
 )
-from tasks.quantization import coverage
+from tasks.quantization import coverage, kv_cache
 from tasks.quantization.configs import quantize_config
 
 log = logging.getLogger(__name__)
@@ -128,9 +128,17 @@ def measure_coverage(variant_dir: Path) -> dict:
 
     manifest = read_manifest(variant_dir)
     params = quantize_config(**recorded_params(manifest))
-    found = coverage.weights(onnx.load(str(variant_dir / MODEL_FILE), load_external_data=False))
+    graph = onnx.load(str(variant_dir / MODEL_FILE), load_external_data=False)
+    found = coverage.weights(graph)
     share, wrong = coverage.shortfall(params, found, set(manifest.get("kept_float", {})))
-    return {"share_as_asked": share, "not_as_asked": wrong, "by_role": coverage.summary(found)}
+    stored, asked = kv_cache.stored_bits(graph), params.kv_bits
+    as_asked = stored == asked if asked else stored >= 16  # "float": float32, or float16 in an fp16 graph
+    return {
+        "share_as_asked": share,
+        "not_as_asked": wrong,
+        "by_role": coverage.summary(found),
+        "kv_cache": {"asked": params.kv_cache, "stored_bits": stored, "as_asked": as_asked},
+    }
 
 
 def checks(figures: dict, limits: Thresholds) -> list[Check]:
@@ -141,6 +149,7 @@ def checks(figures: dict, limits: Thresholds) -> list[Check]:
     ]
     found.append(Check("kv_max_prob_diff", figures["kv_max_prob_diff"], limits.kv_max_prob_diff, upper_bound=True))
     found.append(Check("coverage", figures["coverage"]["share_as_asked"], 1.0, upper_bound=False))
+    found.append(Check("kv_cache_as_asked", float(figures["coverage"]["kv_cache"]["as_asked"]), 1.0, upper_bound=False))
     if limits.max_logit_diff is not None:
         found.append(Check("max_logit_diff", figures["max_logit_diff"], limits.max_logit_diff, upper_bound=True))
     return found

@@ -46,7 +46,11 @@ def test_run_passes_variants_within_thresholds(built, params, tmp_path, variant)
     )
     written = json.loads(report.read_text())
     per_text = {f"{gate}[{text}]" for gate in GATES for text in ("GPL-3.txt", "lstrlib.c")}
-    assert written["passed"] is True and set(written["checks"]) == per_text | {"kv_max_prob_diff", "coverage"}
+    assert written["passed"] is True and set(written["checks"]) == per_text | {
+        "kv_max_prob_diff",
+        "coverage",
+        "kv_cache_as_asked",
+    }
     assert check_validated(built[variant])["variant"] == variant
     assert written["coverage"]["share_as_asked"] == 1.0
     if variant == "fp32":

@@ -52,6 +52,8 @@ def prefill_feed(model, ids: np.ndarray, head_dim: int) -> dict[str, np.ndarray]
         feed[names.ATTENTION_MASK] = np.ones((1, len(ids)), dtype=np.int64)
     if names.POSITION_IDS in inputs:
         feed[names.POSITION_IDS] = np.arange(len(ids), dtype=np.int64).reshape(1, -1)
+    if names.LOGITS_TO_KEEP in inputs:  # one row of logits, not a vocabulary per token
+        feed[names.LOGITS_TO_KEEP] = np.array([1], dtype=np.int64)
     return feed
 
 

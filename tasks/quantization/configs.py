@@ -14,9 +14,23 @@ from pydantic import Field, TypeAdapter, model_validator
 
 from tasks.core.schema import Bool, Float, Int, Strict
 
+KV_CACHE_BITS = {"float": None, "int8": 8, "int4": 4}
+
 
 class Recipe(Strict):
-    """A method's config: a key of another method is named as such."""
+    """A method's config: a key of another method is named as such. Every method's graph may store
+    its KV cache quantized (tasks/quantization/kv_cache.py; GroupQueryAttention graphs only)."""
+
+    kv_cache: Literal["float", "int8", "int4"] = Field(
+        "float", description="the KV cache's storage: float as the graph computes it, or int8 / int4 codes"
+    )
+    kv_headroom: Float = Field(
+        1.5, ge=1.0, le=8.0, description="value scales: this many times the calibration's largest value"
+    )
+
+    @property
+    def kv_bits(self) -> int | None:
+        return KV_CACHE_BITS[self.kv_cache]
 
     @model_validator(mode="before")
     @classmethod
@@ -127,7 +141,10 @@ def quantize_config(**values):
 
 
 def needs_calibration(cfg) -> bool:
-    """Whether the recipe reads calibration text (data-aware ranges, measurement, static ranges)."""
+    """Whether the recipe reads calibration text (data-aware ranges, measurement, static ranges,
+    KV cache scales)."""
+    if cfg.kv_bits is not None:
+        return True
     if isinstance(cfg, WeightOnly):
         data_aware = cfg.algorithm in ("gptq", "imatrix") or cfg.output_algorithm == "imatrix"
         return data_aware or cfg.size_budget_mb is not None

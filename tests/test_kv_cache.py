@@ -1,0 +1,155 @@
+"""A quantized KV cache (tasks/quantization/kv_cache.py): GroupQueryAttention stores int8 or packed
+4-bit codes with calibrated scales; the runtime's buffers shrink by 4 and 8; quality stays near the
+float cache's; batched decode still equals batch-1 runs; validate checks the cache is what the
+variant's name says."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+
+from ortforge.batch import BatchDecoder
+from ortforge.decoder import Decoder
+from ortforge.generate import TextGenerator
+from ortforge.manifest import read_manifest, write_manifest
+from ortforge.session import create_session
+from tasks import quantize, validate
+from tasks.core.errors import StageError
+from tasks.core.params import Thresholds
+from tasks.quantization import kv_cache
+from tasks.quantization.configs import quantize_config
+from tests.conftest import WEIGHT_ONLY
+
+LOOSE = Thresholds(ppl_ratio=1e9, kl_divergence=1e9, top1_agreement=0.0, greedy_agreement=0.0, kv_max_prob_diff=1.0)
+
+
+@pytest.fixture(scope="module")
+def kv_variants(built, params, tmp_path_factory) -> dict[str, object]:
+    """fp32 weights with a float, int8 and int4 cache, and int4 weights with an int8 cache."""
+    root = tmp_path_factory.mktemp("kv")
+    recipes = {
+        "fp32_kv8": {"method": "fp32", "kv_cache": "int8"},
+        "fp32_kv4": {"method": "fp32", "kv_cache": "int4"},
+        "int4_kv8": {**WEIGHT_ONLY, "kv_cache": "int8"},
+    }
+    out = {}
+    for name, recipe in recipes.items():
+        out[name] = root / name
+        record = {"model": "tiny", "variant": name, "tool_versions": {}}
+        quantize.run(quantize_config(**recipe), built["optimized"], built["hf"], out[name], record, params.calibration)
+    return out
+
+
+def _decoder(folder) -> Decoder:
+    return Decoder(create_session(folder))
+
+
+def test_the_graph_stores_the_cache_at_the_asked_width(built, kv_variants):
+    for name, bits, dtype in (("fp32_kv8", 8, onnx.TensorProto.INT8), ("fp32_kv4", 4, onnx.TensorProto.UINT8)):
+        graph = onnx.load(str(kv_variants[name] / "model.onnx"), load_external_data=False)
+        assert kv_cache.stored_bits(graph) == bits
+        pasts = [i for i in graph.graph.input if i.name.startswith("past_key_values.")]
+        assert pasts and all(i.type.tensor_type.elem_type == dtype for i in pasts)
+        attention = kv_cache.attention_nodes(graph)
+        assert attention and all(node.input[kv_cache.K_SCALE_INPUT].endswith(".scale") for node in attention)
+    float_graph = onnx.load(str(built["fp32"] / "model.onnx"), load_external_data=False)
+    assert kv_cache.stored_bits(float_graph) == 32
+
+
+def test_cache_bytes_per_token_are_a_quarter_and_an_eighth(built, kv_variants):
+    float_bytes = _decoder(built["fp32"]).kv_bytes_per_token
+    assert _decoder(kv_variants["fp32_kv8"]).kv_bytes_per_token * 4 == float_bytes
+    assert _decoder(kv_variants["fp32_kv4"]).kv_bytes_per_token * 8 == float_bytes
+    decoder = _decoder(kv_variants["fp32_kv4"])
+    _, cache = decoder.forward(list(range(5, 40)), decoder.empty_cache())
+    assert decoder._arrays[0].dtype == np.uint8 and decoder._arrays[0].shape[-1] == decoder.head_dim // 2
+
+
+def _kl_from_float(built, folder, ids) -> float:
+    """Mean KL divergence of folder's next-token distributions from the float cache's, decoding ids
+    one token at a time after a prefill (every position reads the stored cache)."""
+
+    def distributions(decoder):
+        logits, cache = decoder.forward(ids[:16], decoder.empty_cache())
+        rows = [logits]
+        for token in ids[16:]:
+            logits, cache = decoder.forward([token], cache)
+            rows.append(logits)
+        rows = np.concatenate(rows).astype(np.float64)
+        rows -= rows.max(-1, keepdims=True)
+        return rows - np.log(np.exp(rows).sum(-1, keepdims=True))
+
+    p, q = distributions(_decoder(built["fp32"])), distributions(_decoder(folder))
+    return float((np.exp(p) * (p - q)).sum(-1).mean())
+
+
+def test_int8_cache_stays_near_the_float_cache_and_int4_further(built, kv_variants):
+    ids = TextGenerator(built["fp32"]).encode(
+        "The licenses for most software and other practical works are designed to take away your freedom to share "
+        "and change the works. By contrast, the GNU General Public License is intended to guarantee your freedom."
+    )
+    int8, int4 = (
+        _kl_from_float(built, kv_variants["fp32_kv8"], ids),
+        _kl_from_float(built, kv_variants["fp32_kv4"], ids),
+    )
+    assert 0 < int8 < 2e-3
+    assert int4 > 4 * int8
+
+
+def test_key_range_holds_at_every_rotary_position():
+    rng = np.random.default_rng(0)
+    keys = rng.normal(size=(2, 50, 8))  # [kv_heads, tokens, head]
+    bound = kv_cache.key_range(keys, interleaved=False)
+    for angle in np.linspace(0, 2 * np.pi, 13):
+        cos, sin = np.cos(angle), np.sin(angle)
+        rotated = np.concatenate(
+            [keys[..., :4] * cos - keys[..., 4:] * sin, keys[..., 4:] * cos + keys[..., :4] * sin], -1
+        )
+        assert (np.abs(rotated).max(axis=1) <= bound + 1e-12).all()
+
+
+def test_batched_decode_over_a_quantized_cache_equals_batch_1(kv_variants):
+    generator = TextGenerator(kv_variants["int4_kv8"])
+    prompts = [generator.encode(text) for text in ("Free software", "You", "the freedom to share and change all")]
+    batch = BatchDecoder(generator.session, slots=3)
+    tokens = {row: int(np.argmax(batch.prefill(row, ids))) for row, ids in enumerate(prompts)}
+    produced = {row: [token] for row, token in tokens.items()}
+    for _ in range(6):
+        logits = batch.step(tokens)
+        tokens = {row: int(np.argmax(logits[i])) for i, row in enumerate(sorted(tokens))}
+        for row, token in tokens.items():
+            produced[row].append(token)
+    for row, ids in enumerate(prompts):
+        assert produced[row] == list(generator.generate_ids(ids, max_new_tokens=7))
+
+
+def test_validate_checks_the_cache_is_what_the_name_says(built, kv_variants, params, tmp_path):
+    report = tmp_path / "validate.json"
+    validate.run(params.validation.eval, LOOSE, kv_variants["int4_kv8"], built["reference"], report, "int4_kv8")
+    written = json.loads(report.read_text())
+    assert written["passed"] and written["checks"]["kv_cache_as_asked"]["passed"]
+    assert written["coverage"]["kv_cache"] == {"asked": "int8", "stored_bits": 8, "as_asked": True}
+    # A variant whose manifest says int8 over a float cache is not what its name says.
+    claimed = tmp_path / "claimed"
+    shutil.copytree(built["fp32"], claimed)
+    manifest = read_manifest(claimed)
+    manifest["params"]["kv_cache"] = "int8"
+    write_manifest(claimed, {key: value for key, value in manifest.items() if key != "files"})
+    assert validate.measure_coverage(claimed)["kv_cache"] == {"asked": "int8", "stored_bits": 32, "as_asked": False}
+
+
+def test_a_graph_without_group_query_attention_is_refused_before_work(tmp_path):
+    graph = onnx.helper.make_model(onnx.helper.make_graph([], "no-attention", [], []))
+    with pytest.raises(StageError, match="kv_cache int8 needs GroupQueryAttention.*set kv_cache: float"):
+        kv_cache.check_supported(graph, tmp_path, "int8")
+
+
+def test_kv_cache_setting_is_checked_like_every_key():
+    with pytest.raises(ValueError, match="kv_cache"):
+        quantize_config(method="fp32", kv_cache="int2")
+    assert quantize_config(method="weight_only", kv_cache="int8").kv_bits == 8
+    assert quantize_config(method="fp16").kv_bits is None
