@@ -22,7 +22,7 @@ from tasks.core import paths
 from tasks.core.files import atomic_write_json, folder_bytes
 from tasks.core.params import BenchConfig
 from tasks.core.stage import StageError, stage_cli
-from tasks.measurement import timing
+from tasks.measurement import concurrency, timing
 from tasks.measurement.timing import ORT, TORCH, in_fresh_process, measure_engine
 
 log = logging.getLogger(__name__)
@@ -58,11 +58,48 @@ def check_fits_context(cfg: BenchConfig, variant_dir: Path) -> None:
         p.key: p.value for p in onnx.load(str(variant_dir / MODEL_FILE), load_external_data=False).metadata_props
     }
     context = int(metadata.get(CONTEXT_LENGTH_KEY, 0))
-    if context and cfg.prompt_tokens + cfg.new_tokens > context:
-        raise StageError(
-            f"bench.prompt_tokens + bench.new_tokens = {cfg.prompt_tokens + cfg.new_tokens} exceed the model's context "
-            f"of {context} positions; lower them to fit"
+    for where, load in (("bench", cfg), ("bench.concurrency", cfg.concurrency)):
+        if context and load.prompt_tokens + load.new_tokens > context:
+            raise StageError(
+                f"{where}.prompt_tokens + {where}.new_tokens = {load.prompt_tokens + load.new_tokens} exceed the "
+                f"model's context of {context} positions; lower them to fit"
+            )
+
+
+def kv_bytes_per_token(variant_dir: Path) -> int:
+    from ortforge.decoder import Decoder
+
+    return Decoder.for_artifact(variant_dir).kv_bytes_per_token
+
+
+def serving_prompts(cfg: BenchConfig, variant_dir: Path) -> dict[int, list]:
+    """Per concurrency level, each stream's request prompts (checked before any timing starts)."""
+    load = cfg.concurrency
+    if not load.streams:
+        return {}
+    shared = round(load.prompt_tokens * load.shared_prefix)
+    needed = shared + (load.prompt_tokens - shared) * max(load.streams) * load.requests
+    ids = prompt_ids(variant_dir, cfg.text, needed)
+    return {
+        streams: concurrency.request_prompts(ids, streams, load.requests, load.prompt_tokens, load.shared_prefix)
+        for streams in load.streams
+    }
+
+
+def under_load(cfg: BenchConfig, variant_dir: Path, prompts: dict[int, list], session: dict | None) -> dict:
+    """Per concurrency level (its own fresh process), the serving workload's figures."""
+    figures = {}
+    for streams, requests in prompts.items():
+        log.info("serving workload: %d stream(s) on %s", streams, variant_dir)
+        figures[str(streams)] = in_fresh_process(
+            concurrency.measure_load,
+            str(variant_dir),
+            requests,
+            cfg.concurrency.new_tokens,
+            session,
+            cfg.concurrency.prefix_cache_mb,
         )
+    return figures
 
 
 def runtime_settings(result: dict, cfg: BenchConfig) -> dict:
@@ -80,6 +117,7 @@ def run(cfg: BenchConfig, variant_dir: Path, hf_dir: Path) -> dict:
         raise StageError(f"{error}; only validated variants are benchmarked (dvc repro validate@...)") from None
     check_fits_context(cfg, variant_dir)
     prompt = prompt_ids(variant_dir, cfg.text, cfg.prompt_tokens)
+    serving = serving_prompts(cfg, variant_dir)
     tuning = None
     if cfg.tune:
         from tasks.measurement.tuning import sweep
@@ -103,6 +141,8 @@ def run(cfg: BenchConfig, variant_dir: Path, hf_dir: Path) -> dict:
     if cfg.baseline:
         result["baseline"] = summarize(runs[TORCH], cfg.prompt_tokens, sizes[TORCH])
         result["vs_baseline"] = ratios(result, result["baseline"])
+    result["kv_bytes_per_token"] = kv_bytes_per_token(variant_dir)
+    result["concurrency"] = under_load(cfg, variant_dir, serving, tuning["session"] if tuning else None)
     log.info(
         "%s: %.1f tokens/s decode (p50 %.1f ms), first token %.0f ms, peak RSS %.0f MB",
         variant_dir,

@@ -16,7 +16,7 @@ from tasks.core import paths
 from tasks.core.files import atomic_write_json, atomic_write_text, read_json
 from tasks.core.params import ReportConfig
 from tasks.core.stage import StageError, stage_cli
-from tasks.reporting import html
+from tasks.reporting import html, load
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,7 @@ class Row:
     seconds_to_first_token_p50: float
     peak_rss_mb: float
     decode_speedup: float
+    kv_bytes_per_token: float  # what a token of context costs in the KV cache
 
 
 def _row(variant: str, validation: dict, bench: dict, speedup: float) -> Row:
@@ -55,6 +56,7 @@ def _row(variant: str, validation: dict, bench: dict, speedup: float) -> Row:
         seconds_to_first_token_p50=bench["seconds_to_first_token_p50"],
         peak_rss_mb=bench["peak_rss_mb"],
         decode_speedup=speedup,
+        kv_bytes_per_token=bench.get("kv_bytes_per_token", float("nan")),
     )
 
 
@@ -119,12 +121,16 @@ def recommend(rows: list[Row], cfg: ReportConfig) -> Row | None:
     return pick(eligible, key=lambda row: getattr(row, cfg.recommend_by))
 
 
+def _count(value: float) -> str:
+    return f"{value:,.0f}" if value == value else "-"  # NaN: not measured (the PyTorch baseline)
+
+
 def markdown(
     model: str, rows: list[Row], baseline: Row | None, front: list[str], best: Row | None, cfg, workload, failed
 ) -> str:
     header = (
         "| variant | Pareto | perplexity | ppl ratio | KL | top-1 | greedy match | size MB | decode tok/s | "
-        "decode ms p50 / p95 | first token ms p50 | peak RSS MB | decode x baseline |"
+        "decode ms p50 / p95 | first token ms p50 | peak RSS MB | decode x baseline | KV bytes/token |"
     )
     lines = [f"# {model}", ""]
     if best is not None:
@@ -134,7 +140,7 @@ def markdown(
         ]
     else:
         lines += [f"No variant is within perplexity x{cfg.max_ppl_ratio}; none is recommended.", ""]
-    lines += [header, "|" + "---|" * 13]
+    lines += [header, "|" + "---|" * 14]
     for row in rows + ([baseline] if baseline else []):
         mark = "yes" if row.variant in front else ("-" if row is baseline else "")
         lines.append(
@@ -142,7 +148,7 @@ def markdown(
             f"{row.top1_agreement:.3f} | {row.greedy} | "
             f"{row.size_mb:.1f} | {row.decode_tokens_per_second:.1f} | {row.decode_ms_per_token_p50:.1f} / "
             f"{row.decode_ms_per_token_p95:.1f} | {row.seconds_to_first_token_p50 * 1e3:.0f} | "
-            f"{row.peak_rss_mb:.0f} | {row.decode_speedup:.2f} |"
+            f"{row.peak_rss_mb:.0f} | {row.decode_speedup:.2f} | {_count(row.kv_bytes_per_token)} |"
         )
     lines += [
         "",
@@ -218,10 +224,14 @@ def plot(model: str, rows: list[Row], baseline: Row | None, front: list[str], be
 def run(model: str, variants: list[str], cfg: ReportConfig, reports_dir: Path, out: dict[str, Path]) -> dict:
     rows, baseline, workload, failed = collect(reports_dir, variants)
     front, best = pareto_front(rows), recommend(rows, cfg)
+    loads = {row.variant: read_json(reports_dir / row.variant / "bench.json").get("concurrency", {}) for row in rows}
+    shown = best or rows[0]
     text = markdown(model, rows, baseline, front, best, cfg, workload, failed)
+    text += "\n".join(load.markdown(shown.variant, loads[shown.variant], workload)) + "\n"
     atomic_write_text(out["md"], text)
     plot(model, rows, baseline, front, best, out["png"])
-    figures = html.figures_for(rows, baseline, out["png"])
+    load.plot(model, {v: loads[v] for v in front if loads[v]}, out["load-png"])
+    figures = html.figures_for(rows, baseline, out["png"], out["load-png"])
     atomic_write_text(out["html"], html.render(f"ortforge: {model}", text, figures))
     summary = {
         "recommended": best.variant if best else None,
@@ -229,9 +239,10 @@ def run(model: str, variants: list[str], cfg: ReportConfig, reports_dir: Path, o
         "pareto_front": front,
         "variants": {row.variant: asdict(row) for row in rows},
         "failed_validation": failed,
+        "under_load": {shown.variant: loads[shown.variant]},
     }
     atomic_write_json(out["json"], summary)
-    written = ", ".join(str(out[key]) for key in ("md", "png", "html", "json"))
+    written = ", ".join(str(out[key]) for key in ("md", "png", "load-png", "html", "json"))
     log.info("wrote %s; recommended %s", written, summary["recommended"])
     return summary
 
@@ -241,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         "reports": paths.variant_reports,
         "md": paths.report_md,
         "png": paths.report_png,
+        "load-png": paths.report_load_png,
         "html": paths.report_html,
         "json": paths.report_json,
     }

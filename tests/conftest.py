@@ -121,6 +121,14 @@ TINY_PARAMS = {
         "threads": 1,
         "tune": True,
         "baseline": True,
+        "concurrency": {
+            "streams": [1, 3],
+            "prompt_tokens": 16,
+            "new_tokens": 6,
+            "shared_prefix": 0.5,
+            "requests": 2,
+            "prefix_cache_mb": 1.0,
+        },
     },
 }
 

@@ -10,7 +10,7 @@ import pytest
 from tasks import bench
 from tasks.core.params import BenchConfig
 from tasks.core.stage import StageError
-from tasks.measurement import timing
+from tasks.measurement import concurrency, timing
 
 METRICS = {
     "seconds_to_first_token_p50",
@@ -48,6 +48,30 @@ def test_run_reports_variant_and_baseline_metrics(built, params, validated):
     assert len(tuning["trials"]) >= 8  # threads, inter-op, graph levels, memory pattern, arena, chunks
     assert tuning["workload_seconds"] == min(trial["seconds"] for trial in tuning["trials"])
     assert tuning["session"] in [trial["settings"] for trial in tuning["trials"]]
+    assert result["kv_bytes_per_token"] > 0
+
+
+def test_run_measures_the_serving_workload_per_concurrency_level(built, params, validated):
+    load = params.bench.concurrency
+    result = bench.run(params.bench, validated, built["hf"])["concurrency"]
+    assert list(result) == [str(s) for s in load.streams]
+    for streams, figures in result.items():
+        assert figures["requests"] == int(streams) * load.requests
+        assert 1 <= figures["widest_step"] <= int(streams)  # rows one run advanced together
+        assert figures["seconds_to_first_token_p50"] <= figures["seconds_to_first_token_p95"]
+        assert figures["inter_token_ms_p50"] <= figures["inter_token_ms_p95"]
+        assert figures["aggregate_tokens_per_second"] > 0 and figures["peak_rss_mb"] > 10
+        assert "continuous batching" in figures["scheduler"]
+
+
+def test_serving_prompts_share_their_start_and_differ_after_it():
+    ids = list(range(1000))
+    prompts = concurrency.request_prompts(ids, streams=3, requests=2, tokens=10, shared_prefix=0.4)
+    flat = [p for stream in prompts for p in stream]
+    assert len(prompts) == 3 and all(len(p) == 10 and p[:4] == ids[:4] for p in flat)
+    assert len({tuple(p[4:]) for p in flat}) == 6
+    with pytest.raises(ValueError, match="need more"):
+        concurrency.request_prompts(ids[:20], streams=3, requests=2, tokens=10, shared_prefix=0.4)
 
 
 def test_timed_generation_times_every_decode_step(built):

@@ -37,7 +37,13 @@ def expected_paths(stage: str, model: str, variant: str | None) -> tuple[set[Pat
         ),
         "report": (
             {paths.variant_reports(model)},
-            {paths.report_md(model), paths.report_png(model), paths.report_html(model), paths.report_json(model)},
+            {
+                paths.report_md(model),
+                paths.report_png(model),
+                paths.report_load_png(model),
+                paths.report_html(model),
+                paths.report_json(model),
+            },
         ),
     }
     return table[stage]

@@ -47,13 +47,25 @@ def fake_reports(folder, figures=FIGURES):
             "vs_baseline": {"decode_speedup": speed / 25.0},
             "baseline": {**timings, "decode_tokens_per_second": 25.0, "size_mb": 538.0},
             "workload": {"prompt_tokens": 128, "new_tokens": 64, "warmup": 1, "repeats": 3, "rounds": 1},
+            "kv_bytes_per_token": 46080,
+            "concurrency": {
+                str(streams): {
+                    "aggregate_tokens_per_second": speed * streams**0.5,
+                    "seconds_to_first_token_p50": 0.1 * streams,
+                    "seconds_to_first_token_p95": 0.2 * streams,
+                    "inter_token_ms_p50": 1000 / speed * streams**0.5,
+                    "inter_token_ms_p95": 1100 / speed * streams**0.5,
+                    "peak_rss_mb": 300.0 + streams,
+                }
+                for streams in (1, 4)
+            },
         }
         (folder / variant / "validate.json").write_text(json.dumps(validation))
         (folder / variant / "bench.json").write_text(json.dumps(bench))
 
 
 def report_outputs(folder):
-    return {name: folder / f"r.{name}" for name in ("md", "png", "html", "json")}
+    return {name: folder / f"r.{name}" for name in ("md", "png", "load-png", "html", "json")}
 
 
 @pytest.fixture
@@ -69,11 +81,17 @@ def test_run_marks_front_and_recommends_by_rule(tmp_path, outputs):
     text = outputs["md"].read_text()
     assert "**Recommended: int4**" in text
     assert (
-        "| int4 | yes | 20.66 | 1.054 | 0.1080 | 0.946 | 20/32 | 86.0 | 120.0 | 8.3 / 9.2 | 100 | 300 | 4.80 |" in text
+        "| int4 | yes | 20.66 | 1.054 | 0.1080 | 0.946 | 20/32 | 86.0 | 120.0 | 8.3 / 9.2 | 100 | 300 | 4.80 | 46,080 |"
+        in text
     )
     assert "| slow8 |  |" in text and f"| {report.BASELINE} | - |" in text
     assert outputs["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads(outputs["json"].read_text())["recommended"] == "int4"
+    # Under load: the recommended variant's figures against concurrency, and their plot.
+    assert "## Under load: int4" in text
+    assert "| 4 | 240.0 | 2.00 | 400 / 800 | 16.7 / 18.3 | 304 |" in text
+    assert outputs["load-png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads(outputs["json"].read_text())["under_load"]["int4"]["4"]["peak_rss_mb"] == 304.0
 
 
 @pytest.mark.parametrize(

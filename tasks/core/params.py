@@ -179,6 +179,19 @@ class Build(Strict):
 # ---- bench ----
 
 
+class ConcurrencyConfig(Strict):
+    """The serving workload (tasks/measurement/concurrency.py): per concurrency level, that many
+    streams each send `requests` requests in turn; every prompt starts with the same shared_prefix
+    share of its tokens."""
+
+    streams: tuple[Annotated[int, Field(strict=True, ge=1)], ...] = Field((1, 4, 8), description="() : not measured")
+    prompt_tokens: Int = Field(128, ge=1)
+    new_tokens: Int = Field(64, ge=2)
+    shared_prefix: Float = Field(0.5, ge=0.0, le=1.0)
+    requests: Int = Field(2, ge=1, description="per stream, one after another")
+    prefix_cache_mb: Float = Field(128, ge=0.0, description="the scheduler's prefix cache (0: no reuse)")
+
+
 class BenchConfig(Strict):
     text: Path = EVAL_TEXT  # the prompt is its first prompt_tokens tokens
     prompt_tokens: Int = Field(128, ge=1)
@@ -189,6 +202,7 @@ class BenchConfig(Strict):
     threads: Int = Field(0, ge=0, description="PyTorch threads, and onnxruntime's when not tuning; 0: default")
     tune: Bool = True  # choose onnxruntime session settings by measurement (tasks/measurement/tuning.py)
     baseline: Bool = True  # also time PyTorch fp32 with its KV cache, in the same run
+    concurrency: ConcurrencyConfig = Field(default_factory=ConcurrencyConfig)
 
 
 # ---- report ----

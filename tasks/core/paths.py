@@ -75,6 +75,10 @@ def report_png(model: str) -> Path:
     return REPORTS / model / "report.png"
 
 
+def report_load_png(model: str) -> Path:
+    return REPORTS / model / "load.png"
+
+
 def report_html(model: str) -> Path:
     return REPORTS / model / "report.html"
 

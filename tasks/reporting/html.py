@@ -66,8 +66,9 @@ def render(title: str, table_markdown: str, figures: list[tuple[str, bytes]]) ->
     return "\n".join(parts) + "\n"
 
 
-def figures_for(rows, baseline, tradeoff_png: Path) -> list[tuple[str, bytes]]:
+def figures_for(rows, baseline, tradeoff_png: Path, load_png: Path) -> list[tuple[str, bytes]]:
     return [
         ("Quality against size and decode speed; blue: Pareto front, star: recommended", tradeoff_png.read_bytes()),
         ("Decode latency per token and time to first token", latency_png(rows, baseline)),
+        ("Throughput and inter-token latency against concurrent streams (Pareto front)", load_png.read_bytes()),
     ]
