@@ -24,7 +24,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -37,6 +36,8 @@ sys.path.insert(0, str(REPO))
 from benchmarks.side_by_side import gguf_file  # noqa: E402
 from tasks.core import paths  # noqa: E402
 from tasks.core.files import atomic_write_json  # noqa: E402
+from tasks.measurement.concurrency import request_figures, run_streams  # noqa: E402
+from tasks.reporting.load import figure_cells  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 TEXT = REPO / "data" / "eval" / "GPL-3.txt"
@@ -133,30 +134,8 @@ def one_request(url: str, model: str, prompt: str, new_tokens: int) -> dict:
 
 def load(url: str, model: str, prompts: list[list[str]], new_tokens: int) -> dict:
     """Each stream's prompts in turn, all streams at once; aggregate and per-token figures."""
-    results: list[list[dict]] = [[] for _ in prompts]
-
-    def stream(i: int) -> None:
-        results[i] = [one_request(url, model, prompt, new_tokens) for prompt in prompts[i]]
-
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
-    start = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    wall = time.perf_counter() - start
-    done = [r for per_stream in results for r in per_stream]
-    gaps = [g for r in done for g in r["gaps"]]
-    first = [r["first"] for r in done]
-    return {
-        "aggregate_tokens_per_second": sum(r["tokens"] for r in done) / wall,
-        "seconds_to_first_token_p50": float(np.percentile(first, 50)),
-        "seconds_to_first_token_p95": float(np.percentile(first, 95)),
-        "inter_token_ms_p50": float(np.percentile(gaps, 50) * 1e3),
-        "inter_token_ms_p95": float(np.percentile(gaps, 95) * 1e3),
-        "requests": len(done),
-        "wall_seconds": wall,
-    }
+    done, wall = run_streams(prompts, lambda prompt: one_request(url, model, prompt, new_tokens))
+    return request_figures(done, wall)
 
 
 def stream_prompts(streams: int, requests: int, prompt_tokens: int, folder: Path) -> list[list[str]]:
@@ -222,13 +201,7 @@ def table(report: dict) -> str:
     ]
     for name, by_streams in report["servers"].items():
         one = by_streams.get("1", {}).get("aggregate_tokens_per_second")
-        for streams, r in by_streams.items():
-            ratio = f"{r['aggregate_tokens_per_second'] / one:.2f}" if one else "-"
-            lines.append(
-                f"| {name} | {streams} | {r['aggregate_tokens_per_second']:.1f} | {ratio} | "
-                f"{r['seconds_to_first_token_p50'] * 1e3:.0f} / {r['seconds_to_first_token_p95'] * 1e3:.0f} | "
-                f"{r['inter_token_ms_p50']:.1f} / {r['inter_token_ms_p95']:.1f} | {r['peak_rss_mb']:.0f} |"
-            )
+        lines += [f"| {name} | {streams} | {figure_cells(r, one)} |" for streams, r in by_streams.items()]
     return "\n".join(lines)
 
 

@@ -65,38 +65,51 @@ def measure_load(
     scheduler = Scheduler(generator, slots=streams, queue_size=streams, prefix_cache_mb=cache_mb).start()
     try:
         _request(scheduler, prompts[0][0][: max(1, len(prompts[0][0]) // 2)], 4)  # warm-up, untimed
-        results: list[list[dict]] = [[] for _ in prompts]
-        failures: list[BaseException] = []
-
-        def stream(index: int) -> None:
-            try:
-                results[index] = [_request(scheduler, prompt, new_tokens) for prompt in prompts[index]]
-            except Exception as error:  # noqa: BLE001 - raised below, on the measuring thread
-                failures.append(error)
-
-        threads = [threading.Thread(target=stream, args=(i,)) for i in range(streams)]
-        start = time.perf_counter()
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        wall = time.perf_counter() - start
-        if failures:
-            raise failures[0]
+        done, wall = run_streams(prompts, lambda prompt: _request(scheduler, prompt, new_tokens))
     finally:
         scheduler.stop()
-    done = [r for per_stream in results for r in per_stream]
-    first, gaps = [r["first"] for r in done], [g for r in done for g in r["gaps"]]
     return {
         "streams": streams,
+        **request_figures(done, wall),
+        "peak_rss_mb": peak_rss_mb(),
+        "scheduler": scheduler.note,
+        "widest_step": scheduler.widest_step,
+    }
+
+
+def run_streams(prompts: list[list], one_request) -> tuple[list[dict], float]:
+    """Every stream at once, each sending its prompts in turn through one_request(prompt) -> {first,
+    gaps, tokens}; every request's figures and the wall time. A failed request fails the run."""
+    results: list[list[dict]] = [[] for _ in prompts]
+    failures: list[BaseException] = []
+
+    def stream(index: int) -> None:
+        try:
+            results[index] = [one_request(prompt) for prompt in prompts[index]]
+        except Exception as error:  # noqa: BLE001 - raised below, on the measuring thread
+            failures.append(error)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - start
+    if failures:
+        raise failures[0]
+    return [r for per_stream in results for r in per_stream], wall
+
+
+def request_figures(done: list[dict], wall: float) -> dict:
+    """Aggregate tokens/s over the wall time; first token and inter-token latency p50/p95."""
+    first, gaps = [r["first"] for r in done], [g for r in done for g in r["gaps"]]
+    return {
         "requests": len(done),
         "aggregate_tokens_per_second": sum(r["tokens"] for r in done) / wall,
         "seconds_to_first_token_p50": float(np.percentile(first, 50)),
         "seconds_to_first_token_p95": float(np.percentile(first, 95)),
         "inter_token_ms_p50": float(np.percentile(gaps, 50) * 1e3),
         "inter_token_ms_p95": float(np.percentile(gaps, 95) * 1e3),
-        "peak_rss_mb": peak_rss_mb(),
         "wall_seconds": wall,
-        "scheduler": scheduler.note,
-        "widest_step": scheduler.widest_step,
     }

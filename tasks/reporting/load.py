@@ -7,6 +7,16 @@ from __future__ import annotations
 from pathlib import Path
 
 
+def figure_cells(r: dict, one_stream_rate: float | None) -> str:
+    """A level's cells: tokens/s, x one stream's, first token and inter-token p50 / p95, peak RSS."""
+    ratio = f"{r['aggregate_tokens_per_second'] / one_stream_rate:.2f}" if one_stream_rate else "-"
+    return (
+        f"{r['aggregate_tokens_per_second']:.1f} | {ratio} | "
+        f"{r['seconds_to_first_token_p50'] * 1e3:.0f} / {r['seconds_to_first_token_p95'] * 1e3:.0f} | "
+        f"{r['inter_token_ms_p50']:.1f} / {r['inter_token_ms_p95']:.1f} | {r['peak_rss_mb']:.0f}"
+    )
+
+
 def markdown(variant: str, by_streams: dict, workload: dict) -> list[str]:
     """The report's lines for variant's figures ([] when bench measured no concurrency)."""
     if not by_streams:
@@ -20,13 +30,7 @@ def markdown(variant: str, by_streams: dict, workload: dict) -> list[str]:
         "| peak RSS MB |",
         "|---|---|---|---|---|---|",
     ]
-    for streams, r in by_streams.items():
-        ratio = f"{r['aggregate_tokens_per_second'] / one:.2f}" if one else "-"
-        lines.append(
-            f"| {streams} | {r['aggregate_tokens_per_second']:.1f} | {ratio} | "
-            f"{r['seconds_to_first_token_p50'] * 1e3:.0f} / {r['seconds_to_first_token_p95'] * 1e3:.0f} | "
-            f"{r['inter_token_ms_p50']:.1f} / {r['inter_token_ms_p95']:.1f} | {r['peak_rss_mb']:.0f} |"
-        )
+    lines += [f"| {streams} | {figure_cells(r, one)} |" for streams, r in by_streams.items()]
     load = workload.get("concurrency", {})
     lines += [
         "",
