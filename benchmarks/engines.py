@@ -212,3 +212,24 @@ def measure(spec: dict, prompt: list[int], new_tokens: int, warmup: int, repeats
     result = timed_runs(once, warmup, repeats)
     # prompt lookup only: how many decode runs each repeat took (its warm-up aside)
     return result | {"load_seconds": load_seconds, "decode_runs": decode_runs[-repeats:] if decode_runs else None}
+
+
+CONTEXT_STEPS = 32  # timed decode steps after each context's prefill
+
+
+def decode_at_contexts(folder: str, ids: list[int], contexts: list[int]) -> dict:
+    """Run in a fresh process: per context, ms per decode step after a prefill of that many tokens."""
+    from ortforge.decoder import Decoder
+
+    decoder = Decoder.for_artifact(Path(folder))
+    figures = {}
+    for context in contexts:
+        logits, cache = decoder.forward(ids[:context], decoder.empty_cache(), last_only=True)
+        steps = []
+        for _ in range(CONTEXT_STEPS):
+            token = int(np.argmax(logits[-1]))
+            start = time.perf_counter()
+            logits, cache = decoder.forward([token], cache, last_only=True)
+            steps.append(time.perf_counter() - start)
+        figures[str(context)] = steps
+    return {"steps": figures, "kv_bytes_per_token": decoder.kv_bytes_per_token}
