@@ -37,7 +37,7 @@ from benchmarks.side_by_side import gguf_file  # noqa: E402
 from tasks.core import paths  # noqa: E402
 from tasks.core.files import atomic_write_json  # noqa: E402
 from tasks.measurement.concurrency import request_figures, run_streams  # noqa: E402
-from tasks.reporting.load import figure_cells  # noqa: E402
+from tasks.reporting.load import figure_cells, levels  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 TEXT = REPO / "data" / "eval" / "GPL-3.txt"
@@ -201,7 +201,7 @@ def table(report: dict) -> str:
     ]
     for name, by_streams in report["servers"].items():
         one = by_streams.get("1", {}).get("aggregate_tokens_per_second")
-        lines += [f"| {name} | {streams} | {figure_cells(r, one)} |" for streams, r in by_streams.items()]
+        lines += [f"| {name} | {s} | {figure_cells(by_streams[s], one)} |" for s in levels(by_streams)]
     return "\n".join(lines)
 
 
@@ -213,9 +213,10 @@ def plot(report: dict, path: Path) -> None:
 
     figure, (throughput, latency) = plt.subplots(1, 2, figsize=(10, 4))
     for name, by_streams in report["servers"].items():
-        streams = [int(s) for s in by_streams]
-        throughput.plot(streams, [r["aggregate_tokens_per_second"] for r in by_streams.values()], "o-", label=name)
-        latency.plot(streams, [r["inter_token_ms_p95"] for r in by_streams.values()], "o-", label=name)
+        streams = levels(by_streams)
+        x = [int(s) for s in streams]
+        throughput.plot(x, [by_streams[s]["aggregate_tokens_per_second"] for s in streams], "o-", label=name)
+        latency.plot(x, [by_streams[s]["inter_token_ms_p95"] for s in streams], "o-", label=name)
     throughput.set(xlabel="concurrent streams", ylabel="aggregate decode tokens/s", title="throughput")
     latency.set(xlabel="concurrent streams", ylabel="inter-token latency p95, ms", title="latency")
     throughput.legend()

@@ -7,6 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 
 
+def levels(by_streams: dict) -> list[str]:
+    """The concurrency levels in numeric order (JSON files keep their keys sorted as text)."""
+    return sorted(by_streams, key=int)
+
+
 def figure_cells(r: dict, one_stream_rate: float | None) -> str:
     """A level's cells: tokens/s, x one stream's, first token and inter-token p50 / p95, peak RSS."""
     ratio = f"{r['aggregate_tokens_per_second'] / one_stream_rate:.2f}" if one_stream_rate else "-"
@@ -30,7 +35,7 @@ def markdown(variant: str, by_streams: dict, workload: dict) -> list[str]:
         "| peak RSS MB |",
         "|---|---|---|---|---|---|",
     ]
-    lines += [f"| {streams} | {figure_cells(r, one)} |" for streams, r in by_streams.items()]
+    lines += [f"| {streams} | {figure_cells(by_streams[streams], one)} |" for streams in levels(by_streams)]
     load = workload.get("concurrency", {})
     lines += [
         "",
@@ -51,9 +56,10 @@ def plot(model: str, loads: dict[str, dict], path: Path) -> None:
 
     figure, (throughput, latency) = plt.subplots(1, 2, figsize=(11, 4.2))
     for variant, by_streams in loads.items():
-        streams = [int(s) for s in by_streams]
-        throughput.plot(streams, [r["aggregate_tokens_per_second"] for r in by_streams.values()], "o-", label=variant)
-        latency.plot(streams, [r["inter_token_ms_p95"] for r in by_streams.values()], "o-", label=variant)
+        ordered = [by_streams[s] for s in levels(by_streams)]
+        streams = [int(s) for s in levels(by_streams)]
+        throughput.plot(streams, [r["aggregate_tokens_per_second"] for r in ordered], "o-", label=variant)
+        latency.plot(streams, [r["inter_token_ms_p95"] for r in ordered], "o-", label=variant)
     throughput.set(xlabel="concurrent streams", ylabel="aggregate tokens/s", title="throughput")
     latency.set(xlabel="concurrent streams", ylabel="inter-token latency p95 (ms)", title="latency")
     for axis in (throughput, latency):
