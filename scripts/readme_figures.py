@@ -31,10 +31,14 @@ def _json(path: Path) -> dict:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
-def report_table(model: str) -> str:
-    """The results table the report stage wrote."""
+def report_table(model: str, section: str | None = None) -> str:
+    """The first table the report stage wrote, or the first under the heading `section`."""
     lines = (REPO / "reports" / model / "report.md").read_text(encoding="utf-8").splitlines()
-    return "\n".join(line for line in lines if line.startswith("|"))
+    if section is not None:
+        lines = lines[next(i for i, line in enumerate(lines) if line.startswith("## ") and section in line) :]
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    return "\n".join(lines[start:end])
 
 
 def report_summary(model: str) -> str:
@@ -160,6 +164,61 @@ def serving() -> str:
     return f"{workload}\n\n{serving_table(report)}{note}"
 
 
+def serving_goals() -> str:
+    """The serving goals from serving.json, each server against itself at 1 stream and against
+    llama-server at the most streams: ratios within its one run."""
+    servers = _json(RESULTS / "serving.json")["servers"]
+    rate = lambda name, streams: servers[name][streams]["aggregate_tokens_per_second"]  # noqa: E731
+    p95 = lambda name, streams: servers[name][streams]["inter_token_ms_p95"]  # noqa: E731
+    peers = [name for name in servers if name.startswith("llama-server")]
+    lines = []
+    for name in sorted(n for n in servers if n.startswith("ortforge serve")):
+        top = max(servers[name], key=int)
+        scale, latency = rate(name, top) / rate(name, "1"), p95(name, top) / p95(name, "1")
+        line = (
+            f"- {name}, {top} streams against 1: throughput x{scale:.2f} ({_goal(scale, 4)}), p95 inter-token "
+            f"latency x{latency:.2f} (goal at most x3: {'met' if latency <= 3 else 'not met'})"
+        )
+        for peer in (p for p in peers if top in servers[p]):
+            line += (
+                f"; x{rate(name, top) / rate(peer, top):.2f} {peer} ({_goal(rate(name, top) / rate(peer, top), 1.5)})"
+            )
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def kv_cache() -> str:
+    """benchmarks/kv_cache.py's table, and the int8 cache's goals against the float cache's."""
+    from benchmarks.kv_cache import table as kv_table
+
+    report = _json(RESULTS / "kv_cache.json")
+    variants = report["variants"]
+    reference, *others = variants
+    base = variants[reference]
+    top = max(base["decode_ms_p50"], key=int)
+    lines = [
+        f"{report['steps']} greedy decode steps after a prefill of each context, {report['rounds']} interleaved "
+        f"rounds, {report['cpus']} cores; server RSS with {base['server']['streams']} concurrent requests of "
+        f"{base['server']['context_tokens']} tokens:",
+        "",
+        kv_table(report),
+        "",
+    ]
+    for name in (n for n in others if variants[n]["kv_cache"] == "int8"):
+        v = variants[name]
+        ppl, shrink = v["worst_ppl_over_float_cache"], base["kv_bytes_per_token"] / v["kv_bytes_per_token"]
+        speed = v["decode_ms_p50"][top] / base["decode_ms_p50"][top]
+        rss = v["server"]["peak_rss_mb"]
+        lines.append(
+            f"- {name} against {reference}'s float cache: perplexity x{ppl:.4f} on the worst text (goal at most "
+            f"x1.005: {'met' if ppl <= 1.005 else 'not met'}); KV bytes per token / {shrink:g} ({_goal(shrink, 4)}); "
+            f"decode at {top} tokens x{speed:.2f} the float cache's time (goal at most x1: "
+            f"{'met' if speed <= 1 else 'not met'}); server with {v['server']['streams']} x "
+            f"{v['server']['context_tokens']} tokens {rss:.0f} MB ({_goal(rss, 500, at_most=True)})"
+        )
+    return "\n".join(lines)
+
+
 RENDERERS = {
     "report-smollm2-135m": lambda: report_table("smollm2-135m"),
     "summary-smollm2-135m": lambda: report_summary("smollm2-135m"),
@@ -172,6 +231,9 @@ RENDERERS = {
     "cache-reuse": cache_reuse,
     "fanout": fanout,
     "serving": serving,
+    "serving-goals": serving_goals,
+    "kv-cache": kv_cache,
+    "under-load-smollm2-135m": lambda: report_table("smollm2-135m", "Under load"),
 }
 
 
