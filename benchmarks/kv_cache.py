@@ -46,7 +46,7 @@ def text_ids(folder: Path) -> list[int]:
 
 def quality(model: str, variant: str, reference: str) -> dict:
     """Per evaluation text, the variant's perplexity over the float-cache reference variant's."""
-    read = lambda v: json.loads((paths.variant_reports(model) / v / "validate.json").read_text())  # noqa: E731
+    read = lambda v: json.loads((paths.variant_reports(model) / v / "validate.json").read_text(encoding="utf-8"))  # noqa: E731
     ours, theirs = read(variant), read(reference)
     ratios = {text: ours["texts"][text]["perplexity"] / theirs["texts"][text]["perplexity"] for text in ours["texts"]}
     return {
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
                 steps[variant][context] += timed
     report = {"model": args.model, "cpus": os.cpu_count(), "rounds": args.rounds, "steps": STEPS, "variants": {}}
     for variant in variants:
-        manifest = json.loads((folders[variant] / "manifest.json").read_text())
+        manifest = json.loads((folders[variant] / "manifest.json").read_text(encoding="utf-8"))
         report["variants"][variant] = {
             "kv_cache": manifest["params"].get("kv_cache", "float"),
             "kv_bytes_per_token": kv_bytes[variant],
