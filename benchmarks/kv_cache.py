@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import sys
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +30,7 @@ from benchmarks.engines import decode_at_contexts  # noqa: E402
 from benchmarks.serving import free_port, one_request, ortforge_command, peak_rss_mb, started  # noqa: E402
 from tasks.core import paths  # noqa: E402
 from tasks.core.files import atomic_write_json  # noqa: E402
+from tasks.measurement.concurrency import run_streams  # noqa: E402
 from tasks.measurement.timing import in_fresh_process  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
@@ -67,18 +67,12 @@ def server_memory(folder: Path, model_id: str, ids: list[int], streams: int, con
     port = free_port()
     server = started(ortforge_command(folder, port, streams) + ["--prefix-cache-mb", "0"], port)
     try:
-        url, done = f"http://127.0.0.1:{port}", []
-        threads = [threading.Thread(target=lambda p=p: done.append(one_request(url, model_id, p, 64))) for p in prompts]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+        url = f"http://127.0.0.1:{port}"
+        run_streams([[prompt] for prompt in prompts], lambda prompt: one_request(url, model_id, prompt, 64))
         rss = peak_rss_mb(server.pid)
     finally:
         server.terminate()
         server.wait(timeout=60)
-    if len(done) != streams:
-        raise SystemExit(f"error: {streams - len(done)} of {streams} requests failed")
     print(f"  {folder.name}: {streams} x {context} tokens, server peak RSS {rss:.0f} MB", flush=True)
     return {"streams": streams, "context_tokens": context, "peak_rss_mb": rss}
 
