@@ -29,6 +29,9 @@ CONTEXT_LENGTH_KEY = "ortforge.context_length"  # positions the model takes: pro
 # Bits per cached key or value when GroupQueryAttention stores the cache quantized (8: int8, 4: two
 # values packed per uint8 along the head); absent: the cache holds floats.
 KV_CACHE_BITS_KEY = "ortforge.kv_cache_bits"
+# How a graph holds its weights: "checkpoint" when its initializers are the source checkpoint's
+# tensors by name and its linears are named after the model's modules (tasks/graphs/decoder_graph.py).
+WEIGHTS_SOURCE_KEY = "ortforge.weights_from"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 GENERATION_CONFIG_FILE = "generation_config.json"
 MODEL_CONFIG_FILE = "config.json"

@@ -1,5 +1,9 @@
-"""Export an HF causal LM to a float32 ONNX graph with a KV cache, through one of two exporters:
+"""Export an HF causal LM to a float32 ONNX graph with a KV cache, through one of three exporters:
 
+- ortforge (tasks/graphs/decoder_graph.py, LLaMA-style families): the graph genai's builder writes,
+  made from the config alone, whose weights are the checkpoint's own tensors (linked, not
+  copied, and converted to float32 by the graph): the same memory for any model size, and no
+  float copy on disk.
 - genai (onnxruntime-genai's model builder, precision fp32): fused GroupQueryAttention with rotary
   embedding and a cache updated in place, packed QKV, SkipSimplifiedLayerNormalization; about 350
   nodes where optimum's graph has 5,000. Its quantizer is not used: ours runs in the quantize stage.
@@ -7,11 +11,14 @@
   a cache that grows by concatenation. The model is traced with eager attention, the family's own
   definition (the SDPA path drops Gemma 2's attention softcapping).
 
-`exporter: auto` (per model) tries genai first and keeps its graph only if it matches PyTorch:
-the builder refuses some families and gets others subtly wrong (it hard-codes which Gemma 2 and 3
-layers attend locally), so every exported graph is compared with PyTorch before it is kept, on
-a sequence longer than the model's sliding window where it has one. Tied weights are stored once
-whichever exporter wrote them (tasks/graphs/shared_weights.py).
+`exporter: auto` (per model) tries ortforge, then genai, then optimum, and keeps the first graph
+that matches PyTorch: the builders refuse some families and get others subtly wrong (genai's
+hard-codes which Gemma 2 and 3 layers attend locally), so every exported graph is compared with
+PyTorch before it is kept, on a sequence longer than the model's sliding window where it has one.
+A model too large to run whole in float32 (tasks/evaluation/torch_decoder.RESIDENT_BYTES) is
+compared on a graph of a few of its layers (the first, and one of each attention window the
+config declares) against PyTorch with the same layers. Tied weights are stored once whichever
+exporter wrote them (tasks/graphs/shared_weights.py).
 
 Reads artifacts/<model>/hf; writes artifacts/<model>/onnx holding model.onnx whose inputs are
 input_ids, attention_mask, [position_ids,] past_key_values.{i}.key|value and whose outputs are
@@ -22,6 +29,7 @@ exporter wrote it, why, and how closely it matches PyTorch.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,12 +37,12 @@ from pathlib import Path
 import numpy as np
 
 from ortforge import names
-from tasks.core import paths
-from tasks.core.files import atomic_output_dir, atomic_write_json, folder_bytes, megabytes
+from tasks.core import paths, resources
+from tasks.core.files import atomic_output_dir, atomic_write_json, folder_bytes, link_or_copy, megabytes
 from tasks.core.params import ExportConfig
 from tasks.core.stage import StageError, stage_cli
-from tasks.graphs import architecture, onnx_io, shared_weights
-from tasks.graphs.architecture import Architecture
+from tasks.graphs import architecture, decoder_graph, onnx_io, shared_weights
+from tasks.graphs.architecture import Architecture, expected_windows
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +69,25 @@ class ExportResult:
 
 
 def candidates(choice: str) -> tuple[str, ...]:
-    return ("genai", "optimum") if choice == "auto" else (choice,)
+    return ("ortforge", "genai", "optimum") if choice == "auto" else (choice,)
+
+
+def export_ortforge(hf_dir: Path, out: Path, trust_remote_code: bool, layers: list[int] | None = None) -> None:
+    """The graph of decoder_graph.py beside links to the checkpoint's files (its external data)."""
+    from transformers import AutoConfig
+
+    from tasks.sources.checkpoint import Checkpoint
+
+    config = AutoConfig.from_pretrained(hf_dir, trust_remote_code=trust_remote_code).get_text_config()
+    try:
+        decoder_graph.check_supported(config)
+    except decoder_graph.Unsupported as why:
+        raise ExportRefused(f"ortforge's exporter does not write it: {why}") from None
+    checkpoint = Checkpoint(hf_dir)
+    graph = decoder_graph.build(config, checkpoint, layers)
+    for file in checkpoint.files:
+        link_or_copy(hf_dir / file, out / file)
+    onnx_io.save_graph_only(graph, out)
 
 
 def check_optimum_supports(arch: Architecture) -> None:
@@ -114,15 +140,6 @@ def check_kv_names(model, num_layers: int) -> None:
         raise ExportRefused(f"its graph lacks {missing[:4]}: the exporter's naming changed (pin it in versions.yaml)")
 
 
-def expected_windows(arch: Architecture) -> list[int]:
-    """Per layer, the tokens its attention sees (-1: all), as transformers' config declares."""
-    if arch.sliding_window is None:
-        return [-1] * arch.num_layers
-    if arch.layer_types is None:  # e.g. Mistral: every layer slides
-        return [arch.sliding_window] * arch.num_layers
-    return [arch.sliding_window if kind == "sliding_attention" else -1 for kind in arch.layer_types]
-
-
 def check_attention_windows(model, arch: Architecture) -> None:
     """A fused graph's per-layer attention windows equal the config's (GroupQueryAttention's
     local_window_size); a graph of standard ops computes its masks from the traced model."""
@@ -139,32 +156,82 @@ def check_attention_windows(model, arch: Architecture) -> None:
         )
 
 
-def parity(graph_dir: Path, hf_dir: Path, arch: Architecture, graph) -> dict:
-    """Prefill then cached steps through onnxruntime against one PyTorch pass over the same tokens."""
-    from ortforge.decoder import Decoder
-    from ortforge.session import create_session
-    from tasks.evaluation.torch_decoder import TorchDecoder
+def parity_layers(arch: Architecture) -> list[int]:
+    """The layers a large model is checked on: the first two, and the first of each attention
+    window the config declares (Gemma 3: a sliding and a global layer)."""
+    windows = expected_windows(arch)
+    return sorted({0, min(1, arch.num_layers - 1)} | {windows.index(window) for window in windows})
 
+
+def too_large_to_run_whole(hf_dir: Path) -> bool:
+    from tasks.evaluation.torch_decoder import RESIDENT_BYTES
+    from tasks.sources.checkpoint import Checkpoint
+
+    return Checkpoint(hf_dir).float32_bytes() > RESIDENT_BYTES
+
+
+def parity(graph_dir: Path, hf_dir: Path, arch: Architecture, graph, layers: list[int] | None = None) -> dict:
+    """Prefill then cached steps through onnxruntime against one PyTorch pass over the same tokens
+    (of only the given layers, when graph_dir holds a graph of those)."""
     window = arch.sliding_window or 0
     prefill = PARITY_TOKENS if window >= LONGEST_PARITY_PREFILL else max(PARITY_TOKENS, window + 8)
     prefill = min(prefill, arch.context_length - PARITY_STEPS)
     ids = np.random.default_rng(0).integers(0, arch.vocab_size, prefill + PARITY_STEPS, dtype=np.int64)
     layout = names.KV_SHARED if any(n.op_type == "GroupQueryAttention" for n in graph.graph.node) else "chained"
-    decoder = Decoder(create_session(graph_dir), head_dim=arch.head_dim, layout=layout)
+    stepped = _onnxruntime_logits(graph_dir, arch.head_dim, layout, ids, prefill)  # its session is gone after
+    reference = _pytorch_logits(hf_dir, ids, layers)
+    gap = float(np.abs(stepped - reference).max() / np.abs(reference).max())
+    figures = {"tokens": int(len(ids)), "cached_steps": PARITY_STEPS, "max_relative_logit_diff": gap}
+    return figures | ({"layers": layers} if layers is not None else {})
+
+
+def _onnxruntime_logits(graph_dir: Path, head_dim: int, layout: str, ids: np.ndarray, prefill: int) -> np.ndarray:
+    import onnxruntime as ort
+
+    from ortforge.decoder import Decoder
+    from ortforge.session import SessionSettings
+
+    options = SessionSettings().session_options()
+    # Prepacked copies of the weights speed up many runs; this is four, and a vocabulary matrix
+    # packed again is as large as the model's float32 table (1 GB for Llama 3.2 1B).
+    options.add_session_config_entry("session.disable_prepacking", "1")
+    session = ort.InferenceSession(str(graph_dir / names.MODEL_FILE), options, providers=["CPUExecutionProvider"])
+    decoder = Decoder(session, head_dim=head_dim, layout=layout)
     logits, cache = decoder.forward(ids[:prefill], decoder.empty_cache())
     stepped = [logits]
     for token in ids[prefill:]:
         logits, cache = decoder.forward([int(token)], cache)
         stepped.append(logits)
-    torch_decoder = TorchDecoder(hf_dir, attention="eager")
-    reference, _ = torch_decoder.forward(ids, torch_decoder.empty_cache())
-    gap = float(np.abs(np.concatenate(stepped) - reference).max() / np.abs(reference).max())
-    return {"tokens": int(len(ids)), "cached_steps": PARITY_STEPS, "max_relative_logit_diff": gap}
+    return np.concatenate(stepped)
+
+
+def _pytorch_logits(hf_dir: Path, ids: np.ndarray, layers: list[int] | None) -> np.ndarray:
+    from tasks.evaluation.torch_decoder import TorchDecoder
+
+    torch_decoder = TorchDecoder(hf_dir, attention="eager", layers=layers)
+    return torch_decoder.forward(ids, torch_decoder.empty_cache())[0]
+
+
+def checked(graph_dir: Path, hf_dir: Path, arch: Architecture, graph, exporter: str, trust_code: bool) -> dict:
+    """parity(), on a graph of a few layers when the model is too large to run whole (ortforge's
+    exporter writes one in seconds; the others' graphs are checked whole)."""
+    if exporter != "ortforge" or not too_large_to_run_whole(hf_dir):
+        return parity(graph_dir, hf_dir, arch, graph)
+    layers = parity_layers(arch)
+    part = graph_dir / "parity"
+    part.mkdir()
+    try:
+        export_ortforge(hf_dir, part, trust_code, layers)
+        return parity(part, hf_dir, arch, onnx_io.load(part, with_weights=False), layers)
+    finally:
+        shutil.rmtree(part)
 
 
 def attempt(exporter: str, cfg: ExportConfig, hf_dir: Path, out: Path, arch: Architecture, trust_code: bool) -> dict:
     """Export into out and check it; ExportRefused when the graph cannot be trusted."""
-    if exporter == "genai":
+    if exporter == "ortforge":
+        export_ortforge(hf_dir, out, trust_code)
+    elif exporter == "genai":
         export_genai(hf_dir, out)
     else:
         check_optimum_supports(arch)
@@ -173,7 +240,7 @@ def attempt(exporter: str, cfg: ExportConfig, hf_dir: Path, out: Path, arch: Arc
     check_kv_names(graph, arch.num_layers)
     check_attention_windows(graph, arch)
     try:
-        figures = parity(out, hf_dir, arch, graph)
+        figures = checked(out, hf_dir, arch, graph, exporter, trust_code)
     except Exception as error:  # onnxruntime refusing the graph (GroupQueryAttention wants head sizes of 16k)
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ExportRefused(f"onnxruntime cannot run its graph ({first_line})") from None
@@ -185,6 +252,17 @@ def attempt(exporter: str, cfg: ExportConfig, hf_dir: Path, out: Path, arch: Arc
     return figures
 
 
+def check_memory_for_builder(hf_dir: Path) -> None:
+    """ExportRefused when genai's builder or optimum would need more memory than there is (the
+    stage's own preflight counted on ortforge's exporter, which a model may still refuse)."""
+    needed, free = builder_needs(resources.ModelSize.of(hf_dir)), resources.available_memory()
+    if free < needed.memory and os.environ.get(resources.SKIP_ENV) != "1":
+        raise ExportRefused(
+            f"it would need about {resources.amount(needed.memory)} of memory ({needed.basis}); "
+            f"{resources.amount(free)} are available"
+        )
+
+
 def export_first_faithful(
     cfg: ExportConfig, choice: str, hf_dir: Path, tmp: Path, arch: Architecture, trust_code: bool
 ) -> dict:
@@ -194,6 +272,8 @@ def export_first_faithful(
         out.mkdir()
         log.info("exporting %s (%s) with %s", hf_dir, arch.architecture, exporter)
         try:
+            if exporter != "ortforge":
+                check_memory_for_builder(hf_dir)
             figures = attempt(exporter, cfg, hf_dir, out, arch, trust_code)
         except ExportRefused as refusal:
             log.warning("%s: %s", exporter, refusal)
@@ -207,20 +287,64 @@ def export_first_faithful(
 
 
 def run(cfg: ExportConfig, exporter: str, hf_dir: Path, out_dir: Path, trust_code: bool = False) -> ExportResult:
-    """exporter: auto, genai or optimum (models.<name>.exporter); trust_code: the model's opt-in to
+    """exporter: auto, ortforge, genai or optimum (models.<name>.exporter); trust_code: the model's opt-in to
     its repository's own Python (models.<name>.trust_remote_code)."""
     arch = architecture.read(hf_dir, trust_code)
     with atomic_output_dir(out_dir) as tmp:
         record = export_first_faithful(cfg, exporter, hf_dir, tmp, arch, trust_code)
         graph_dir = tmp / record["exporter"]
-        graph = onnx_io.load(graph_dir)
-        record["shared_weights"] = shared_weights.share_transposed_copies(graph)
-        onnx_io.save(graph, tmp, external_data=True)  # weights read straight into place at load
+        if record["exporter"] == "ortforge":  # written final: tied weights shared, data external
+            for path in graph_dir.iterdir():
+                path.rename(tmp / path.name)
+        else:
+            graph = onnx_io.load(graph_dir)
+            record["shared_weights"] = shared_weights.share_transposed_copies(graph)
+            onnx_io.save(graph, tmp, external_data=True)  # weights read straight into place at load
         shutil.rmtree(graph_dir)
         atomic_write_json(tmp / RECORD_FILE, record)
     size = folder_bytes(out_dir)
     log.info("wrote %s with %s (%.1f MB)", out_dir, record["exporter"], size / 1e6)
     return ExportResult(out_dir, record["exporter"], arch.num_layers, megabytes(size))
+
+
+def writes_itself(hf_dir: Path, choice: str, trust_code: bool) -> bool:
+    """Whether ortforge's exporter is tried first and takes the config."""
+    from transformers import AutoConfig
+
+    if choice not in ("auto", "ortforge"):
+        return False
+    try:
+        config = AutoConfig.from_pretrained(hf_dir, trust_remote_code=trust_code).get_text_config()
+        decoder_graph.check_supported(config)
+    except (decoder_graph.Unsupported, OSError, ValueError, KeyError):
+        return False
+    return True
+
+
+def builder_needs(size: resources.ModelSize) -> resources.Needs:
+    """genai's builder and optimum load the whole model and write the float graph (14.7 GB peak
+    for a 4.9 GB float32 Llama 3.2 1B shape: about 3x)."""
+    return resources.Needs(
+        resources.BASE_MEMORY + 3.5 * size.total,
+        2.2 * size.total,
+        f"the whole {resources.amount(size.total)} float32 model loaded and written by the exporter",
+    )
+
+
+def needs(a) -> resources.Needs:
+    hf_dir, spec = a.paths["hf"], a.params.model(a.model)
+    size = resources.ModelSize.of(hf_dir)
+    if not writes_itself(hf_dir, spec.exporter, spec.trust_remote_code):
+        return builder_needs(size)
+    if not too_large_to_run_whole(hf_dir):
+        basis = f"the graph compared with PyTorch whole: {resources.amount(size.total)} of float32 weights"
+        return resources.Needs(resources.BASE_MEMORY + 2.5 * size.total, 1e6, basis)
+    basis = (
+        f"the graph of {len(parity_layers(architecture.read(hf_dir, spec.trust_remote_code)))} layers compared "
+        f"with PyTorch: {resources.amount(size.vocabulary)} of float32 vocabulary matrices, "
+        f"{resources.amount(size.layer)} per layer"
+    )
+    return resources.Needs(resources.BASE_MEMORY + 2 * size.vocabulary + 4 * size.layer, 1e6, basis)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -230,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = a.params.model(a.model)
         run(a.params.export, spec.exporter, a.paths["hf"], a.paths["out"], spec.trust_remote_code)
 
-    return stage_cli("export", __doc__, flags, body, argv)
+    return stage_cli("export", __doc__, flags, body, argv, needs=needs)
 
 
 if __name__ == "__main__":

@@ -75,24 +75,25 @@ GPT2_NAMES = {
 }
 
 
-def config_for(family: str):
+def config_for(family: str, **overrides):
     import transformers
 
     config_class, _, extra = FAMILIES[family]
     values = dict(COMMON)
     if family == "gpt2":  # GPT-2 spells its dimensions itself and has no grouped KV heads
         values = {key: value for key, value in values.items() if key not in GPT2_NAMES}
-    return getattr(transformers, config_class)(**(values | extra))
+    return getattr(transformers, config_class)(**(values | extra | overrides))
 
 
-def build(family: str, folder: Path, text_path: Path, seed: int = 0) -> Path:
-    """Save a tiny random model of the family with a byte-level BPE tokenizer as an HF folder."""
+def build(family: str, folder: Path, text_path: Path, seed: int = 0, **overrides) -> Path:
+    """Save a tiny random model of the family (config values overridden) with a byte-level BPE
+    tokenizer as an HF folder."""
     import torch
     import transformers
     from transformers import PreTrainedTokenizerFast
 
     torch.manual_seed(seed)
-    model = getattr(transformers, FAMILIES[family][1])(config_for(family)).eval()
+    model = getattr(transformers, FAMILIES[family][1])(config_for(family, **overrides)).eval()
     with torch.no_grad():  # larger-than-default weights give logits with real spread
         for name, parameter in model.named_parameters():
             if parameter.dim() == 2:

@@ -1,7 +1,8 @@
 """Every architecture family ortforge takes, through every stage: a tiny random model from the
-family's real config class is downloaded (local folder), exported (`auto`: genai's builder where
-it is faithful, optimum otherwise), optimized, quantized to fp32, int8 and int4, and validated
-against PyTorch; the runtime's prefill and cached decode equal PyTorch."""
+family's real config class is downloaded (local folder), exported (`auto`: ortforge's own exporter
+for the LLaMA-style families, genai's builder where it is faithful, optimum otherwise), optimized,
+quantized to fp32, int8 and int4, and validated against PyTorch; the runtime's prefill and cached
+decode equal PyTorch."""
 
 from __future__ import annotations
 
@@ -14,13 +15,13 @@ from tasks import export
 from tasks.evaluation.torch_decoder import TorchDecoder
 from tests import families
 
-# Where genai's builder is faithful it is chosen; it refuses GPT-2 and gets the Gemma 2 / Gemma 3
-# layer patterns of these configs wrong.
+# ortforge's exporter writes the LLaMA-style families; where genai's builder is faithful it comes
+# next; it refuses GPT-2 and gets the Gemma 2 / Gemma 3 layer patterns of these configs wrong.
 EXPECTED_EXPORTER = {
-    "llama": "genai",
-    "mistral": "genai",
-    "qwen2": "genai",
-    "qwen3": "genai",
+    "llama": "ortforge",
+    "mistral": "ortforge",
+    "qwen2": "ortforge",
+    "qwen3": "ortforge",
     "phi3": "genai",
     "gemma": "genai",
     "gemma2": "optimum",

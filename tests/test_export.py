@@ -1,5 +1,6 @@
-"""export: a KV-cache graph with the standard names from either exporter, kept only when it matches
-PyTorch; `auto` falls back from genai's builder to optimum; tied weights are stored once."""
+"""export: a KV-cache graph with the standard names from any exporter, kept only when it matches
+PyTorch; `auto` falls back from ortforge's exporter to genai's builder to optimum; tied weights are
+stored once."""
 
 from __future__ import annotations
 
@@ -28,8 +29,9 @@ def test_optimum_graph_has_standard_kv_names(built_optimum):
     assert dims[0] == names.BATCH and dims[2] == names.PAST_SEQUENCE
 
 
-def test_genai_graph_has_standard_kv_names_and_fused_attention(built):
-    graph = onnx_io.load(built["onnx"], with_weights=False)
+@pytest.mark.parametrize("exporter", ["ortforge", "genai"])
+def test_fused_graphs_have_standard_kv_names_and_fused_attention(built, built_genai, exporter):
+    graph = onnx_io.load((built if exporter == "ortforge" else built_genai)["onnx"], with_weights=False)
     inputs = {i.name for i in graph.graph.input}
     outputs = {o.name for o in graph.graph.output}
     assert {names.INPUT_IDS, names.ATTENTION_MASK, *names.past_names(2)} == inputs
@@ -41,7 +43,7 @@ def test_genai_graph_has_standard_kv_names_and_fused_attention(built):
 
 def test_run_records_the_exporter_and_its_parity_with_pytorch(built):
     record = json.loads((built["onnx"] / export.RECORD_FILE).read_text())
-    assert record["exporter"] == "genai" and record["refused"] == {}
+    assert record["exporter"] == "ortforge" and record["refused"] == {}
     assert record["parity"]["max_relative_logit_diff"] < 1e-5
     assert record["parity"]["cached_steps"] == export.PARITY_STEPS
 
@@ -87,7 +89,8 @@ def test_graph_that_differs_from_pytorch_is_refused(built, tmp_path, monkeypatch
     with pytest.raises(StageError) as error:
         export.run(ExportConfig(), "auto", built["hf"], tmp_path / "onnx")
     message = str(error.value)
-    assert "genai: its logits differ from PyTorch's" in message and "optimum: its logits differ" in message
+    for exporter in ("ortforge", "genai", "optimum"):
+        assert f"{exporter}: its logits differ from PyTorch's" in message
     assert not (tmp_path / "onnx").exists()
 
 

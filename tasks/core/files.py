@@ -136,6 +136,15 @@ def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text(encoding="utf-8"))
 
 
+def link_or_copy(source: Path, target: Path) -> Path:
+    """A hard link to source at target (no second copy of a large file), or a copy across file systems."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copyfile(source, target)
+    return target
+
+
 def folder_bytes(folder: Path, pattern: str = "*") -> int:
     return sum(p.stat().st_size for p in Path(folder).rglob(pattern) if p.is_file())
 

@@ -80,9 +80,10 @@ Source = Annotated[HubSource | LocalSource | GGUFSource | GGUFPackageSource, Fie
 
 class ModelSpec(Strict):
     source: Source
-    # auto: onnxruntime-genai's builder where it takes the architecture and its graph matches
-    # PyTorch (fused attention, in-place KV cache), optimum's exporter otherwise.
-    exporter: Literal["auto", "genai", "optimum"] = "auto"
+    # auto: the first of ortforge's own exporter (LLaMA-style families, weights read from the
+    # checkpoint), onnxruntime-genai's builder and optimum's exporter that takes the architecture
+    # and whose graph matches PyTorch (tasks/export.py).
+    exporter: Literal["auto", "ortforge", "genai", "optimum"] = "auto"
     allow_pickle: Bool = False  # pickle checkpoints can run arbitrary code when loaded
     trust_remote_code: Bool = False
 

@@ -48,7 +48,11 @@ def read(hf_dir: Path, trust_remote_code: bool = False) -> Architecture:
             f"{hf_dir / MODEL_CONFIG_FILE}: transformers {installed_transformers()} cannot read it ({first_sentence}); "
             f"use a supported causal LM architecture"
         ) from None
-    config = full.get_text_config()
+    return from_config(full, full.get_text_config(), hf_dir)
+
+
+def from_config(full, config, hf_dir: Path | str = "<config>") -> Architecture:
+    """The dimensions of a loaded config (full) and its text model's config."""
     heads = _required(config, "num_attention_heads", hf_dir)
     hidden = _required(config, "hidden_size", hf_dir)
     layer_types = getattr(config, "layer_types", None)
@@ -69,6 +73,15 @@ def read(hf_dir: Path, trust_remote_code: bool = False) -> Architecture:
             float(value) for name in ("rope_theta", "rope_local_base_freq") if (value := getattr(config, name, None))
         ),
     )
+
+
+def expected_windows(arch: Architecture) -> list[int]:
+    """Per layer, the tokens its attention sees (-1: all), as transformers' config declares."""
+    if arch.sliding_window is None:
+        return [-1] * arch.num_layers
+    if arch.layer_types is None:  # e.g. Mistral: every layer slides
+        return [arch.sliding_window] * arch.num_layers
+    return [arch.sliding_window if kind == "sliding_attention" else -1 for kind in arch.layer_types]
 
 
 def installed_transformers() -> str:
