@@ -2,7 +2,9 @@
 figures without loading torch again: on each evaluation text, the perplexity and every scored
 position's most likely tokens and their logits, and greedy tokens from a prompt in the text.
 
-PyTorch runs the family's own (eager) attention: the definition of the model, not a fast path.
+PyTorch runs the family's own (eager) attention: the definition of the model, not a fast path. A
+model larger than torch_decoder.RESIDENT_BYTES in float32 runs with its decoder layers read from
+the checkpoint as they run: the same figures in the memory of one layer.
 
 Reads artifacts/<model>/hf and params.yaml `validate.eval`; writes artifacts/<model>/reference
 (reference.npz with the exact inputs and outputs, reference.json with the scalar figures).
@@ -13,7 +15,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from tasks.core import paths
+from tasks.core import paths, resources
 from tasks.core.files import atomic_output_dir
 from tasks.core.params import EvalConfig
 from tasks.core.stage import StageError, stage_cli
@@ -26,6 +28,7 @@ from tasks.evaluation.metrics import (
     sequence_length,
     text_ids,
 )
+from tasks.evaluation.torch_decoder import torch_needs
 from tasks.graphs import architecture
 
 log = logging.getLogger(__name__)
@@ -56,10 +59,19 @@ def run(cfg: EvalConfig, hf_dir: Path, out_dir: Path) -> Reference:
     return reference
 
 
+def needs(a) -> resources.Needs:
+    return torch_needs(resources.ModelSize.of(a.paths["hf"]), a.params.validation.eval.window)
+
+
 def main(argv: list[str] | None = None) -> int:
     flags = {"hf": paths.hf_dir, "out": paths.reference_dir}
     return stage_cli(
-        "reference", __doc__, flags, lambda a: run(a.params.validation.eval, a.paths["hf"], a.paths["out"]), argv
+        "reference",
+        __doc__,
+        flags,
+        lambda a: run(a.params.validation.eval, a.paths["hf"], a.paths["out"]),
+        argv,
+        needs=needs,
     )
 
 

@@ -7,22 +7,72 @@ from pathlib import Path
 
 import numpy as np
 
+from tasks.core import resources
+
+# Float32 weights a PyTorch model may keep loaded whole. A larger model runs with its decoder
+# layers read from the checkpoint as they run (tasks/evaluation/layer_streaming.py): the same
+# figures, in the memory of one layer plus the embedding and output layer.
+RESIDENT_BYTES = 1_500_000_000
+
+
+def load_causal_lm(
+    hf_dir: Path,
+    attention: str | None = None,
+    layers: list[int] | None = None,
+    resident_bytes: int = RESIDENT_BYTES,
+    trust_remote_code: bool = False,
+):
+    """The model in float32: loaded whole when it fits resident_bytes (and all layers are asked
+    for), else with its decoder layers streamed from the checkpoint."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tasks.evaluation.layer_streaming import streamed_model
+    from tasks.sources.checkpoint import Checkpoint
+
+    if layers is None and Checkpoint(hf_dir).float32_bytes() <= resident_bytes:
+        options = {"attn_implementation": attention} if attention else {}
+        return AutoModelForCausalLM.from_pretrained(
+            hf_dir, dtype=torch.float32, trust_remote_code=trust_remote_code, **options
+        ).eval()
+    return streamed_model(hf_dir, attention, layers, trust_remote_code)
+
+
+def torch_needs(size: resources.ModelSize, logits_rows: int) -> resources.Needs:
+    """PyTorch in float32 (tasks/evaluation/torch_decoder.py): the whole model when it fits the
+    resident budget, else the vocabulary matrices and one decoder layer at a time; and a window's
+    logits, a few times over (the model's output, its float copy, log-softmax)."""
+    logits = 3 * size.logits(logits_rows)
+    if size.total <= RESIDENT_BYTES:
+        basis = f"PyTorch holding the {resources.amount(size.total)} float32 model"
+        return resources.Needs(resources.BASE_MEMORY + size.total + logits, 1e6, basis)
+    basis = (
+        f"PyTorch reading one {resources.amount(size.layer)} layer at a time beside "
+        f"{resources.amount(size.vocabulary)} of vocabulary matrices"
+    )
+    return resources.Needs(resources.BASE_MEMORY + size.vocabulary + 2 * size.layer + logits, 1e6, basis)
+
 
 class TorchDecoder:
     """attention: "eager" is the family's own definition (the reference: SDPA drops Gemma 2's
     softcapping); None keeps transformers' default, the fast path a PyTorch user gets (the bench
-    baseline)."""
+    baseline). layers: only those decoder layers (see load_causal_lm)."""
 
-    def __init__(self, hf_dir: Path, threads: int = 0, attention: str | None = None):
+    def __init__(
+        self,
+        hf_dir: Path,
+        threads: int = 0,
+        attention: str | None = None,
+        layers: list[int] | None = None,
+        resident_bytes: int = RESIDENT_BYTES,
+    ):
         import torch
-        from transformers import AutoModelForCausalLM
 
         if threads:
             torch.set_num_threads(threads)
         self.torch = torch
-        options = {"attn_implementation": attention} if attention else {}
-        self.model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, **options).eval()
-        self.vocab_size = self.model.config.vocab_size
+        self.model = load_causal_lm(hf_dir, attention, layers, resident_bytes)
+        self.vocab_size = self.model.config.get_text_config().vocab_size
 
     def empty_cache(self):
         from transformers import DynamicCache

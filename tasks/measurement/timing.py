@@ -45,7 +45,8 @@ def _load_decoder(engine: str, model_dir: Path, threads: int, session: dict | No
     if engine == TORCH:
         from tasks.evaluation.torch_decoder import TorchDecoder
 
-        decoder = TorchDecoder(model_dir, threads)
+        # The baseline is PyTorch as its users run it: the whole model loaded, however large.
+        decoder = TorchDecoder(model_dir, threads, resident_bytes=sys.maxsize)
         return decoder, decoder.torch.get_num_threads()
     from ortforge.decoder import Decoder
     from ortforge.session import SessionSettings
