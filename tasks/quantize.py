@@ -16,14 +16,24 @@ import numpy as np
 
 from ortforge import names
 from ortforge.manifest import write_manifest
-from tasks.core import paths
-from tasks.core.files import atomic_output_dir, folder_bytes, megabytes, read_json
+from tasks.core import paths, resources
+from tasks.core.files import atomic_output_dir, folder_bytes, megabytes, read_json, scratch_dir
 from tasks.core.params import CalibrationConfig
 from tasks.core.stage import StageError, stage_cli
 from tasks.core.versions import lineage_versions
-from tasks.graphs import architecture, onnx_io
+from tasks.graphs import architecture, decoder_graph, onnx_io
 from tasks.graphs.architecture import Architecture
-from tasks.quantization import calibration, coverage, kv_cache, layers, mixed_precision, smoothing, weight_only
+from tasks.graphs.weights import DATA_SUFFIX, ExternalData, WeightStore, copy_into, fold_chains
+from tasks.quantization import (
+    calibration,
+    coverage,
+    kv_cache,
+    layers,
+    mixed_precision,
+    smoothing,
+    torch_statistics,
+    weight_only,
+)
 from tasks.quantization.configs import QuantizeConfig, needs_calibration
 
 log = logging.getLogger(__name__)
@@ -47,18 +57,41 @@ class Quantized:
     mixed_precision: dict | None = None  # the measurements behind that choice
 
 
-def quantize_graph(cfg: QuantizeConfig, model_dir: Path, calibration: Calibration | None = None) -> Quantized:
-    """The variant that cfg describes."""
+def quantize_graph(cfg: QuantizeConfig, model_dir: Path, hf_dir: Path, calib: Calibration, out: Path) -> Quantized:
+    """The variant that cfg describes; its weights are written into out (model.onnx.data) as they
+    are made. fp32 and weight-only recipes read one float tensor at a time; onnxruntime's int8
+    recipes, fp16 and a measured size budget work on the whole float model in memory."""
+    data = ExternalData(out, names.MODEL_FILE + DATA_SUFFIX)
     if cfg.method == "fp32":
-        return Quantized(onnx_io.load(model_dir))
+        return Quantized(float_graph(model_dir, data))
+    if cfg.method == "weight_only" and cfg.size_budget_mb is None:
+        return _weight_only(cfg, model_dir, hf_dir, calib, data)
+    with scratch_dir(out) as float_dir:  # the float graph as plain float32 initializers, for tools that load it
+        onnx_io.save_graph_only(float_graph(model_dir, ExternalData(float_dir, data.location)), float_dir)
+        quantized = _whole_model(cfg, float_dir, calib)
+    copy_into(quantized.graph, WeightStore(quantized.graph, None), data)
+    return quantized
+
+
+def float_graph(model_dir: Path, data: ExternalData):
+    """The graph in model_dir with every weight as a float32 initializer in data (Cast/Transpose
+    chains from the checkpoint's tensors folded), read and written one tensor at a time."""
+    graph = onnx_io.load(model_dir, with_weights=False)
+    store = WeightStore(graph, model_dir)
+    fold_chains(graph, store, data)
+    copy_into(graph, store, data)
+    return graph
+
+
+def _whole_model(cfg: QuantizeConfig, float_dir: Path, calib: Calibration) -> Quantized:
     if cfg.method == "fp16":
         from onnxruntime.transformers.float16 import convert_float_to_float16
 
         # Keeping float32 inputs and outputs lets the same runtime drive every variant.
-        return Quantized(convert_float_to_float16(onnx_io.load(model_dir), keep_io_types=True))
+        return Quantized(convert_float_to_float16(onnx_io.load(float_dir), keep_io_types=True))
     if cfg.method == "weight_only":
-        return _weight_only(cfg, model_dir, calibration)
-    return _onnxruntime_int8(cfg, model_dir, calibration)
+        return _measured_mixed_precision(cfg, float_dir, calib)
+    return _onnxruntime_int8(cfg, float_dir, calib)
 
 
 @dataclass(frozen=True)
@@ -74,17 +107,41 @@ class Calibration:
         return calibration.token_chunks(self.cfg, self.tokenizer_json)
 
 
-def _weight_only(cfg: QuantizeConfig, model_dir: Path, calib: Calibration | None) -> Quantized:
+def statistics(model, wanted: dict[str, str], model_dir: Path, hf_dir: Path, calib: Calibration) -> dict:
+    """The calibration statistics the recipe needs: from the PyTorch model, layer by layer, when
+    the graph's weights are the checkpoint's (named after its modules); else from onnxruntime."""
+    if not wanted:
+        return {}
+    metadata = {p.key: p.value for p in model.metadata_props}
+    if metadata.get(names.WEIGHTS_SOURCE_KEY) == decoder_graph.WEIGHTS_FROM_CHECKPOINT:
+        readers = layers.input_readers(model)
+        modules = {tensor: decoder_graph.module_of(readers[tensor].name) for tensor in wanted}
+        return torch_statistics.checkpoint_statistics(modules, wanted, hf_dir, calib.chunks())
+    return calibration.input_hessians(model, wanted, calib.chunks(), calib.head_dim, model_dir)
+
+
+def _weight_only(cfg: QuantizeConfig, model_dir: Path, hf_dir: Path, calib: Calibration, data: ExternalData):
+    model = onnx_io.load(model_dir, with_weights=False)
+    store = WeightStore(model, model_dir)
+    source = {tensor.name for tensor in model.graph.initializer}
+    layers.layer_blocks(layers.linear_layers(model), cfg.block_size)  # refuses a bad K before calibrating
+    stats = statistics(model, layers.calibrated_inputs(model, cfg), model_dir, hf_dir, calib)
+    graph, notes = weight_only.quantize_model(model, cfg, stats, store=store, data=data)
+    fold_chains(graph, store, data, among=source)  # what stays float (norms, biases) as plain float32
+    copy_into(graph, store, data)
+    return Quantized(graph, notes)
+
+
+def _measured_mixed_precision(cfg: QuantizeConfig, model_dir: Path, calib: Calibration) -> Quantized:
+    """weight_only with a size budget: each part's damage measured on the float model in memory."""
     model = onnx_io.load(model_dir)
     linears = layers.linear_layers(model)
     layers.layer_blocks(linears, cfg.block_size)  # refuses a bad K before calibrating
-    inputs = layers.calibrated_inputs(model, cfg)
-    hessians = calibration.input_hessians(model, inputs, calib.chunks(), calib.head_dim) if inputs else {}
-    choice = None
-    if cfg.size_budget_mb is not None:
-        blocks = 1 + max((linear.layer for linear in linears if linear.layer is not None), default=0)
-        measure = mixed_precision.Measure(model, model_dir, calib.chunks(), calib.head_dim, hessians)
-        cfg, choice = mixed_precision.choose(measure, cfg, blocks)
+    wanted = layers.calibrated_inputs(model, cfg)
+    hessians = calibration.input_hessians(model, wanted, calib.chunks(), calib.head_dim) if wanted else {}
+    blocks = 1 + max((linear.layer for linear in linears if linear.layer is not None), default=0)
+    measure = mixed_precision.Measure(model, model_dir, calib.chunks(), calib.head_dim, hessians)
+    cfg, choice = mixed_precision.choose(measure, cfg, blocks)
     graph, notes = weight_only.quantize_model(model, cfg, hessians)
     return Quantized(graph, notes, cfg=cfg, mixed_precision=choice)
 
@@ -210,7 +267,9 @@ def tag_for_runtime(graph, arch: Architecture, kv_bits: int | None = None) -> No
     import onnx
 
     shared = any(node.op_type == "GroupQueryAttention" for node in graph.graph.node)
-    props = {p.key: p.value for p in graph.metadata_props}
+    props = {
+        p.key: p.value for p in graph.metadata_props if p.key != names.WEIGHTS_SOURCE_KEY
+    }  # a variant holds its own
     props |= {
         names.KV_LAYOUT_KEY: names.KV_SHARED if shared else "chained",
         names.HEAD_DIM_KEY: str(arch.head_dim),
@@ -239,17 +298,17 @@ def run(
     if cfg.kv_bits is not None:
         kv_cache.check_supported(onnx_io.load(model_dir, with_weights=False), model_dir, cfg.kv_cache)
     log.info("quantizing %s with %s", model_dir, cfg.model_dump(exclude_defaults=True))
-    quantized = quantize_graph(cfg, model_dir, calib)
-    graph = quantized.graph
-    add_logits_to_keep(graph)
-    if cfg.kv_bits is not None:
-        kv_cache.quantize(graph, calib, arch.context_length, arch.head_dim, cfg.kv_bits, cfg.kv_headroom)
-    tag_for_runtime(graph, arch, cfg.kv_bits)
-    stored = coverage.weights(graph)
-    for note in quantized.notes:
-        log.warning("%s", note)
     with atomic_output_dir(out_dir) as tmp:
-        onnx_io.save(graph, tmp, external_data=True)  # a published variant loads with a lower peak
+        quantized = quantize_graph(cfg, model_dir, hf_dir, calib, tmp)
+        graph = quantized.graph
+        add_logits_to_keep(graph)
+        if cfg.kv_bits is not None:
+            kv_cache.quantize(graph, tmp, calib, arch.context_length, arch.head_dim, cfg.kv_bits, cfg.kv_headroom)
+        tag_for_runtime(graph, arch, cfg.kv_bits)
+        stored = coverage.weights(graph)
+        for note in quantized.notes:
+            log.warning("%s", note)
+        onnx_io.save_graph_only(graph, tmp)  # its weights are in model.onnx.data already
         for name in COPIED_FROM_HF:
             if (hf_dir / name).is_file():
                 shutil.copyfile(hf_dir / name, tmp / name)
@@ -272,6 +331,35 @@ def run(
     return QuantizeResult(out_dir, cfg.method, megabytes(size))
 
 
+def variant_bytes(cfg: QuantizeConfig, size: resources.ModelSize) -> float:
+    """About what the variant stores: its weights at the recipe's widths, scales and zero points."""
+    bits = {"fp32": 32, "fp16": 16}.get(cfg.method, cfg.bits if cfg.method == "weight_only" else 8)
+    return size.total / 4 * bits / 8 * 1.15
+
+
+def needs(a) -> resources.Needs:
+    """Streamed recipes (fp32, weight-only) hold the largest weight a few times (float32, its
+    float64 slices, its codes) or, while calibrating, PyTorch with one layer; the others hold the
+    whole float model (and write it to a scratch folder first)."""
+    cfg, size = a.params.variant(a.variant), resources.ModelSize.of(a.paths["hf"])
+    stored = variant_bytes(cfg, size)
+    largest = resources.amount(size.largest)
+    if cfg.method == "fp32" or (cfg.method == "weight_only" and cfg.size_budget_mb is None):
+        memory = resources.BASE_MEMORY + 3 * size.largest
+        basis = f"one weight at a time, the largest {largest} in float32"
+        if needs_calibration(cfg):
+            from tasks.evaluation.torch_decoder import torch_needs
+
+            memory = max(memory, torch_needs(size, 0).memory)
+            basis += ", and calibration through PyTorch"
+        if cfg.kv_bits is not None:
+            memory += 1.5 * stored
+            basis += ", and the variant run to calibrate its KV cache"
+        return resources.Needs(memory, stored, basis)
+    basis = f"the whole {resources.amount(size.total)} float32 model in memory"
+    return resources.Needs(resources.BASE_MEMORY + 4 * size.total, stored + size.total, basis)
+
+
 def main(argv: list[str] | None = None) -> int:
     flags = {"optimized": paths.optimized_dir, "hf": paths.hf_dir, "out": paths.variant_dir}
 
@@ -286,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
             a.params.calibration,
         )
 
-    return stage_cli("quantize", __doc__, flags, body, argv, variant=True)
+    return stage_cli("quantize", __doc__, flags, body, argv, variant=True, needs=needs)
 
 
 if __name__ == "__main__":

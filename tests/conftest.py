@@ -224,6 +224,20 @@ def make_project(folder: Path, hf_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def built_genai(tmp_path_factory, built) -> dict[str, Path]:
+    """The tiny model through onnxruntime-genai's builder (what `auto` falls back to for families
+    ortforge's exporter does not write) and the optimize stage."""
+    from tasks import export, optimize
+    from tasks.core.params import ExportConfig, OptimizeConfig
+
+    root = tmp_path_factory.mktemp("genai")
+    out = {"hf": built["hf"], "onnx": root / "onnx", "optimized": root / "optimized"}
+    export.run(ExportConfig(), "genai", built["hf"], out["onnx"])
+    optimize.run(OptimizeConfig(model_type="none"), out["onnx"], built["hf"], out["optimized"])
+    return out
+
+
+@pytest.fixture(scope="session")
 def built_optimum(tmp_path_factory, built, params) -> dict[str, Path]:
     """The tiny model through optimum's exporter and onnxruntime's fusions, and its fp32 variant."""
     from tasks import export, optimize, quantize

@@ -18,13 +18,13 @@ KILLED_MID_WRITE = textwrap.dedent(
     import os, runpy, signal, sys
     from tasks.graphs import onnx_io
 
-    real_save = onnx_io.save
+    real_save = onnx_io.save_graph_only
 
-    def save_then_die(model, folder, **options):
-        real_save(model, folder, **options)
+    def save_then_die(model, folder):
+        real_save(model, folder)
         os.kill(os.getpid(), signal.SIGKILL)
 
-    onnx_io.save = save_then_die
+    onnx_io.save_graph_only = save_then_die
     sys.argv = ["tasks.quantize", *sys.argv[1:]]
     runpy.run_module("tasks.quantize", run_name="__main__")
     """

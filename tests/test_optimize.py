@@ -1,5 +1,6 @@
-"""optimize: onnxruntime's fusions on optimum's graph, recorded as op counts before and after; the
-genai graph kept as exported."""
+"""optimize: onnxruntime's fusions on optimum's graph, recorded as op counts before and after; a
+fused graph kept as exported (genai's with its rotary tables computed at load), its weights linked,
+not copied."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def test_fuse_records_fusions_and_op_counts(built_optimum, tmp_path):
     assert "com.microsoft" in {opset.domain for opset in graph.opset_import}
 
 
-def test_model_type_none_keeps_the_graph_but_computes_rotary_tables(built, tmp_path):
+def test_model_type_none_keeps_the_graph_but_computes_rotary_tables(built_genai, tmp_path):
+    built = built_genai
     result = optimize.run(OptimizeConfig(model_type="none"), built["onnx"], built["hf"], tmp_path / "o")
     assert result.fused == {}
     computed = {"Range": 1, "Unsqueeze": 1, "Mul": 2, "Cos": 1, "Sin": 1}  # one table pair, from 8 frequencies
@@ -34,6 +36,13 @@ def test_model_type_none_keeps_the_graph_but_computes_rotary_tables(built, tmp_p
     assert pair["tables"] == ["cos_cache", "sin_cache"] and pair["max_abs_diff"] <= 1e-6
     graph = onnx_io.load(tmp_path / "o", with_weights=False)
     assert not {"cos_cache", "sin_cache"} & {t.name for t in graph.graph.initializer}
+
+
+def test_model_type_none_links_the_weights_instead_of_copying_them(built, tmp_path):
+    result = optimize.run(OptimizeConfig(model_type="none"), built["onnx"], built["hf"], tmp_path / "o")
+    assert result.fused == {} and result.ops_after == result.ops_before and result.rotary_computed == []
+    for path in built["onnx"].glob("*.safetensors"):  # ortforge's graph reads the checkpoint's own file
+        assert (tmp_path / "o" / path.name).stat().st_ino == path.stat().st_ino
 
 
 def test_rotary_tables_cut_to_model_context(built_optimum):

@@ -25,8 +25,19 @@ def logits_of(folder, ids, hf):
     return full_pass_logits(decoder, ids)
 
 
-def test_groups_cover_norm_and_gated_inputs_but_not_the_tied_output_layer(built):
-    model = onnx_io.load(built["optimized"], with_weights=False)
+@pytest.fixture(scope="module")
+def float_dir(built, tmp_path_factory):
+    """The optimized graph with plain float32 weights, as onnxruntime's int8 recipes get it
+    (tasks.quantize.float_graph folds the checkpoint's tensors read through Transpose nodes)."""
+    from tasks.graphs.weights import ExternalData
+
+    folder = tmp_path_factory.mktemp("float")
+    onnx_io.save_graph_only(quantize.float_graph(built["optimized"], ExternalData(folder, "model.onnx.data")), folder)
+    return folder
+
+
+def test_groups_cover_norm_and_gated_inputs_but_not_the_tied_output_layer(float_dir):
+    model = onnx_io.load(float_dir, with_weights=False)
     groups = smoothing.smoothable_groups(model)
     layers = sum(1 for n in model.graph.node if n.op_type == "GroupQueryAttention")
     # per layer: the norm before q/k/v, the norm before gate/up, the gated product before down
@@ -36,10 +47,10 @@ def test_groups_cover_norm_and_gated_inputs_but_not_the_tied_output_layer(built)
     assert not any("lm_head" in name for name in consumers)  # its weight is the embedding's too
 
 
-def test_smoothing_keeps_the_float_model_equal(built, tmp_path):
+def test_smoothing_keeps_the_float_model_equal(built, float_dir, tmp_path):
     from onnx.numpy_helper import to_array
 
-    model = onnx_io.load(built["optimized"])
+    model = onnx_io.load(float_dir)
     widths = {t.name: t.dims[0] for t in model.graph.initializer if t.dims}
     rng = np.random.default_rng(0)  # channel ranges spread over three decades, like real outliers
     maxima = {g.activation: rng.uniform(0.05, 50, widths[g.consumers[0]]) for g in smoothing.smoothable_groups(model)}
@@ -61,7 +72,7 @@ def test_outlier_ratio_is_the_peak_token_against_the_median_token():
     assert ranges.outlier_ratio == pytest.approx(500.0)
 
 
-def test_smoothed_int8_recipe_builds_a_running_variant(built, tmp_path):
+def test_smoothed_int8_recipe_builds_a_running_variant(built, float_dir, tmp_path):
     cfg = quantize_config(
         method="int8_dynamic", weight_type="QInt8", per_channel=True, smooth_alpha=0.5, outlier_ratio=1.5
     )
@@ -72,7 +83,7 @@ def test_smoothed_int8_recipe_builds_a_running_variant(built, tmp_path):
     assert "MatMulInteger" in ops or "DynamicQuantizeMatMul" in ops
     # A low ratio keeps float exactly the linears whose inputs carry outlier tokens, says why, and
     # quantizes every other linear.
-    source = onnx_io.load(built["optimized"], with_weights=False)
+    source = onnx_io.load(float_dir, with_weights=False)
     weights = {t.name for t in source.graph.initializer}
     linears = {n.name for n in source.graph.node if n.op_type == "MatMul" and n.input[1] in weights}
     kept = read_manifest(result.out_dir)["kept_float"]

@@ -13,6 +13,7 @@ from onnx import numpy_helper
 from ortforge import Decoder, create_session
 from tasks.evaluation.metrics import full_pass_logits
 from tasks.graphs import onnx_io
+from tasks.graphs.weights import WeightStore
 from tasks.quantization import codes as block_codes
 from tasks.quantization import layers, weight_only
 from tasks.quantization.configs import QuantizeConfig, quantize_config
@@ -86,18 +87,24 @@ def test_importance_search_lowers_weighted_error():
 
 
 def weights_swapped_for(model, cfg: QuantizeConfig):
-    """The float model with every weight replaced by what its codes dequantize to."""
+    """The float model with every weight replaced by what its codes dequantize to (float32 graph:
+    tasks.quantize.float_graph folds the checkpoint's bfloat16 [out, in] tensors)."""
     model = copy.deepcopy(model)
+    store = WeightStore(model, None)
     initializers = {t.name: t for t in model.graph.initializer}
     for linear in layers.linear_layers(model):
-        w = numpy_helper.to_array(initializers[linear.weight_name])
-        codes = block_codes.round_to_nearest(w, cfg.bits, cfg.block_size, cfg.zero_point)
-        initializers[linear.weight_name].CopyFrom(numpy_helper.from_array(effective_weights(codes), linear.weight_name))
+        codes = block_codes.round_to_nearest(
+            layers.weight_matrix(linear, store), cfg.bits, cfg.block_size, cfg.zero_point
+        )
+        swapped = effective_weights(codes)
+        stored = swapped.T.copy() if linear.transposed else swapped
+        initializers[linear.weight_name].CopyFrom(numpy_helper.from_array(stored, linear.weight_name))
     head = layers.output_layer(model)
     zero_point = "none" if cfg.zero_point == "none" else "integer"
-    dequantized = block_codes.round_to_nearest(head.weight, cfg.output_bits, cfg.block_size, zero_point).dequantize()
+    weight = head.weight(store)
+    dequantized = block_codes.round_to_nearest(weight, cfg.output_bits, cfg.block_size, zero_point).dequantize()
     stored = initializers[head.weight_initializer]
-    # optimum stores the embedding table [vocab, hidden]; the genai builder the output weight [hidden, vocab].
+    # A table stored [vocab, hidden] (read through a Transpose) or the output weight [hidden, vocab].
     array = dequantized if tuple(stored.dims) == dequantized.shape else dequantized.T.copy()
     stored.CopyFrom(numpy_helper.from_array(array, head.weight_initializer))
     return model
@@ -184,8 +191,11 @@ def test_data_aware_and_hqq_algorithms_build_running_models(built, tmp_path, alg
         CalibrationConfig(text=REPO / "data/calibration/python-docs.txt", samples=2, tokens=32),
         built["hf"] / "tokenizer.json",
     )
-    hessians = calibration.input_hessians(model, layers.calibrated_inputs(model, cfg), chunks, head_dim=16)
-    assert all(h.shape[0] == h.shape[1] and np.all(np.diag(h) >= 0) for h in hessians.values())
+    wanted = layers.calibrated_inputs(model, cfg)
+    hessians = calibration.input_hessians(model, wanted, chunks, head_dim=16)
+    for name, h in hessians.items():  # GPTQ takes H whole; imatrix its diagonal, sums of squares
+        assert (h.shape[0] == h.shape[1]) if wanted[name] == calibration.FULL else h.ndim == 1
+        assert np.all((np.diag(h) if h.ndim == 2 else h) >= 0)
     quantized = quantize(model, cfg, hessians)
     logits = logits_of(quantized, tmp_path / algorithm, built["hf"])
     assert np.isfinite(logits).all()

@@ -37,16 +37,62 @@ def save(model, folder: Path, external_data: bool = False) -> Path:
     return path
 
 
-def load(folder: Path, with_weights: bool = True):
-    """The graph in folder/model.onnx; StageError if its external data lies outside folder."""
+def save_graph_only(model, folder: Path) -> Path:
+    """Write model.onnx as it is: a graph whose large initializers already point at files in folder
+    (written or linked there) is serialized without reading or moving any weight."""
     import onnx
 
-    try:
-        return onnx.load(str(Path(folder) / MODEL_FILE), load_external_data=with_weights)
-    except onnx.checker.ValidationError as error:
-        # onnx refuses absolute, "..", and symlinked external data paths: an untrusted model must
-        # not read files outside its folder.
-        raise StageError(f"{Path(folder) / MODEL_FILE}: refusing its external data ({error}); rebuild it") from None
+    path = Path(folder) / MODEL_FILE
+    inline = sum(len(t.raw_data) for t in model.graph.initializer)
+    if inline > EXTERNAL_DATA_ABOVE_BYTES:
+        raise StageError(f"{path}: {inline} bytes of weights are inline; write them as external data")
+    _declare_contrib_opset(model)
+    onnx.save_model(model, str(path))
+    return path
+
+
+def save_runnable(model, weights_dir: Path | None, folder: Path) -> Path:
+    """Save model into folder for onnxruntime to run: a graph whose weights are external data in
+    weights_dir gets links to those files (no copy); one holding its weights gets them written."""
+    import copy
+
+    from tasks.core.files import link_or_copy
+    from tasks.graphs.weights import external_files
+
+    files = external_files(model)
+    if not files:
+        return save(copy.deepcopy(model), folder, external_data=True)  # saving moves a model's weights out
+    for file in files:
+        link_or_copy(Path(weights_dir) / file, Path(folder) / file)
+    return save_graph_only(model, folder)
+
+
+def _declare_contrib_opset(model) -> None:
+    if not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.add(domain="com.microsoft", version=1)
+
+
+def load(folder: Path, with_weights: bool = True):
+    """The graph in folder/model.onnx, with its external data read in when with_weights;
+    StageError if that data lies outside folder.
+
+    The weights are read by tasks/graphs/weights.py, which refuses paths that resolve outside the
+    folder (absolute, "..", symbolic links) as onnx's own loader does, but takes hard links: the
+    stages link a checkpoint's files instead of copying them, and DVC's hardlink cache links every
+    output; onnx refuses any file with a second link."""
+    import onnx
+
+    from tasks.graphs.weights import WeightStore
+
+    model = onnx.load(str(Path(folder) / MODEL_FILE), load_external_data=False)
+    if with_weights:
+        store = WeightStore(model, folder)
+        for tensor in model.graph.initializer:
+            if tensor.data_location == onnx.TensorProto.EXTERNAL:
+                tensor.raw_data = store.raw(tensor.name).tobytes()
+                del tensor.external_data[:]
+                tensor.data_location = onnx.TensorProto.DEFAULT
+    return model
 
 
 def op_counts(model) -> dict[str, int]:

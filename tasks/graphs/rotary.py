@@ -11,6 +11,7 @@ A table is replaced only when onnxruntime's computation reproduces it to float32
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import numpy as np
 
@@ -86,8 +87,9 @@ def _position_nodes(stem: str):
     ]
 
 
-def compute_at_load(model, thetas: tuple[float, ...]) -> list[dict]:
-    """Replace each GroupQueryAttention cos/sin table pair that onnxruntime reproduces; return what was."""
+def compute_at_load(model, thetas: tuple[float, ...], read: Callable[[str], np.ndarray]) -> list[dict]:
+    """Replace each GroupQueryAttention cos/sin table pair that onnxruntime reproduces; return what
+    was. read(name) gives an initializer's values (the graph may be loaded without its weights)."""
     from onnx import numpy_helper
 
     graph = model.graph
@@ -99,7 +101,7 @@ def compute_at_load(model, thetas: tuple[float, ...]) -> list[dict]:
     }
     replaced = []
     for cos_name, sin_name in sorted(pairs):
-        cos, sin = (numpy_helper.to_array(initializers[name]) for name in (cos_name, sin_name))
+        cos, sin = (read(name) for name in (cos_name, sin_name))
         inv_freq = frequencies(cos, thetas)
         if inv_freq is None:
             log.info("keeping %s stored: no rotary base in the config reproduces it", cos_name)

@@ -1,9 +1,13 @@
 """Calibration data for data-aware quantization: token chunks of a fixed text fed to the decoder
 graph as prefill inputs (with an empty KV cache), and the statistics taken from them.
 
-GPTQ needs, for each linear layer, H = sum(x x^T) over its inputs; SmoothQuant the largest value
-of each input channel; static int8 needs an onnxruntime CalibrationDataReader. All come from the
-same chunks, so the methods see the same data.
+GPTQ needs, for each linear layer, H = sum(x x^T) over its inputs (imatrix only its diagonal);
+SmoothQuant the largest value of each input channel; static int8 needs an onnxruntime
+CalibrationDataReader. All come from the same chunks, so the methods see the same data.
+
+Here the statistics come from the graph run whole in onnxruntime, with the named tensors as extra
+outputs; a graph whose weights are the checkpoint's own tensors is calibrated on the PyTorch
+model instead, one layer in memory at a time (tasks/quantization/torch_statistics.py).
 """
 
 from __future__ import annotations
@@ -22,6 +26,10 @@ from tasks.core.params import CalibrationConfig
 from tasks.graphs import onnx_io
 
 log = logging.getLogger(__name__)
+
+# What statistics of a layer's input an algorithm needs: GPTQ the whole H = sum x x^T; imatrix only
+# its diagonal (a full H of every down_proj input of a 1B model alone is 8 GB).
+FULL, DIAGONAL = "full", "diagonal"
 
 
 def token_chunks(cfg: CalibrationConfig, tokenizer_json: Path) -> list[np.ndarray]:
@@ -75,8 +83,11 @@ def data_reader(model, chunks: list[np.ndarray], head_dim: int):
     return Reader()
 
 
-def activations(model, tensor_names: list[str], chunks: list[np.ndarray], head_dim: int) -> Iterator[dict]:
-    """For each chunk, the named intermediate tensors as rows [tokens, channels] in float64."""
+def activations(
+    model, tensor_names: list[str], chunks: list[np.ndarray], head_dim: int, weights_dir: Path | None = None
+) -> Iterator[dict]:
+    """For each chunk, the named intermediate tensors as rows [tokens, channels] in float64
+    (weights_dir: where the graph's external data lies, when it was loaded without it)."""
     import copy
 
     import onnx
@@ -88,7 +99,7 @@ def activations(model, tensor_names: list[str], chunks: list[np.ndarray], head_d
         if name not in known:
             augmented.graph.output.append(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None))
     with tempfile.TemporaryDirectory() as scratch:
-        onnx_io.save(augmented, Path(scratch))
+        onnx_io.save_runnable(augmented, weights_dir, Path(scratch))
         session = ort.InferenceSession(str(Path(scratch) / names.MODEL_FILE), providers=["CPUExecutionProvider"])
         for index, ids in enumerate(chunks):
             log.info("calibration pass %d/%d", index + 1, len(chunks))
@@ -99,12 +110,20 @@ def activations(model, tensor_names: list[str], chunks: list[np.ndarray], head_d
             }
 
 
-def input_hessians(model, tensor_names: list[str], chunks: list[np.ndarray], head_dim: int) -> dict[str, np.ndarray]:
-    """2 / n * sum(x x^T) over every row x of each named tensor (GPTQ's H), in float64."""
+def accumulate(sums: dict[str, np.ndarray], name: str, x: np.ndarray, kind: str) -> None:
+    """Add rows x [n, channels] (float64) to sums[name]: x^T x, or its diagonal."""
+    sums[name] = sums.get(name, 0) + (x.T @ x if kind == FULL else np.einsum("ij,ij->j", x, x))
+
+
+def input_hessians(
+    model, wanted: dict[str, str], chunks: list[np.ndarray], head_dim: int, weights_dir: Path | None = None
+) -> dict[str, np.ndarray]:
+    """Per named tensor, 2 / n * sum(x x^T) over its rows x (GPTQ's H; kind "diagonal": only its
+    diagonal), in float64, from the graph run in onnxruntime."""
     sums: dict[str, np.ndarray] = {}
-    for batch in activations(model, tensor_names, chunks, head_dim):
+    for batch in activations(model, list(wanted), chunks, head_dim, weights_dir):
         for name, x in batch.items():
-            sums[name] = sums.get(name, 0) + x.T @ x
+            accumulate(sums, name, x, wanted[name])
     rows = sum(len(ids) for ids in chunks)  # one row per token: a prefill of batch 1
     return {name: total * (2 / rows) for name, total in sums.items()}
 

@@ -17,7 +17,6 @@ sequence (samples x tokens, within the context):
 
 from __future__ import annotations
 
-import copy
 import logging
 import tempfile
 from pathlib import Path
@@ -55,15 +54,14 @@ def calibration_ids(calib, context: int) -> np.ndarray:
     return np.concatenate(calib.chunks())[:context]
 
 
-def cache_ranges(graph, ids: np.ndarray, head_dim: int) -> dict[str, np.ndarray]:
+def cache_ranges(graph, weights_dir: Path, ids: np.ndarray, head_dim: int) -> dict[str, np.ndarray]:
     """Per past input, the present tensor of a prefill of ids [kv_heads, tokens, head_dim] (float64)."""
     import onnxruntime as ort
 
     layers = len([i for i in graph.graph.input if i.name.startswith("past_key_values.")]) // 2
     presents = names.present_names(layers)
     with tempfile.TemporaryDirectory() as scratch:
-        # A copy: saving with external data points the tensors at the file it wrote.
-        onnx_io.save(copy.deepcopy(graph), Path(scratch), external_data=True)
+        onnx_io.save_runnable(graph, weights_dir, Path(scratch))
         session = ort.InferenceSession(str(Path(scratch) / names.MODEL_FILE), providers=["CPUExecutionProvider"])
         log.info("KV cache calibration: one prefill of %d tokens", len(ids))
         outputs = session.run(presents, calibration.prefill_feed(graph, ids, head_dim))
@@ -98,11 +96,12 @@ def _rotary_interleaved(node) -> bool:
     return bool(attributes.get("do_rotary", 0) and attributes.get("rotary_interleaved", 0))
 
 
-def quantize(graph, calib, context: int, head_dim: int, bits: int, headroom: float) -> None:
-    """Store graph's KV cache at bits (8 or 4), with scales calibrated on calib's text."""
+def quantize(graph, weights_dir: Path, calib, context: int, head_dim: int, bits: int, headroom: float) -> None:
+    """Store graph's KV cache at bits (8 or 4), with scales calibrated on calib's text
+    (weights_dir: where the graph's external data lies)."""
     from onnx import TensorProto, helper, numpy_helper
 
-    ranges = cache_ranges(graph, calibration_ids(calib, context), head_dim)
+    ranges = cache_ranges(graph, weights_dir, calibration_ids(calib, context), head_dim)
     for node in attention_nodes(graph):
         past_key, past_value = node.input[3], node.input[4]
         key_scale = scale(key_range(ranges[past_key], _rotary_interleaved(node)), bits)

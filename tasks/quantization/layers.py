@@ -1,6 +1,10 @@
 """Which parts of a decoder graph weight-only quantization rewrites: its linear layers (MatMul or
 Gemm with a constant 2-D weight, grouped by the input they read), the output layer (found behind
-bias, scale and softcapping), and the token embedding; each layer's block size and width."""
+bias, scale and softcapping), and the token embedding; each layer's block size and width.
+
+A constant weight is an initializer, or one read through Cast and Transpose nodes (the
+checkpoint's own bfloat16 [out, in] tensor: tasks/graphs/weights.py); weights are read one at a
+time from a WeightStore, never all at once."""
 
 from __future__ import annotations
 
@@ -10,6 +14,8 @@ import numpy as np
 
 from tasks.core.errors import StageError
 from tasks.graphs import onnx_io
+from tasks.graphs.weights import Chain, GraphIndex, WeightStore
+from tasks.quantization.calibration import DIAGONAL, FULL
 from tasks.quantization.codes import MIN_BLOCK, layer_block
 from tasks.quantization.configs import QuantizeConfig
 from tasks.quantization.coverage import layer_of
@@ -18,11 +24,11 @@ from tasks.quantization.coverage import layer_of
 @dataclass(frozen=True)
 class Linear:
     node: object  # the MatMul or Gemm NodeProto
-    weight_name: str
+    weight_name: str  # the initializer holding it
     layer: int | None
     k: int  # input features
     width: int  # N, output columns
-    transposed: bool  # the weight is stored [N, K] (Gemm with transB, as GPT-2's Conv1D exports)
+    transposed: bool  # the weight is stored [N, K] (Gemm with transB; a Transpose in front of a MatMul)
     bias: str | None  # Gemm's C, added by MatMulNBits itself
 
 
@@ -37,30 +43,31 @@ def _gemm_as_linear(node) -> tuple[bool, bool]:
 
 def linear_layers(model) -> list[Linear]:
     """MatMuls and Gemms with a constant 2-D weight, except the output layer."""
-    initializers = {t.name: t for t in model.graph.initializer}
+    index = GraphIndex(model)
     head = onnx_io.output_matmul(model)
     found = []
     for node in model.graph.node:
         if node.op_type not in ("MatMul", "Gemm") or len(node.input) < 2 or node is head:
             continue
-        weight = initializers.get(node.input[1])
-        if weight is None or len(weight.dims) != 2:
+        chain = index.chain(node.input[1])
+        if chain is None or len(index.initializers[chain.initializer].dims) != 2:
             continue
-        plain, transposed = _gemm_as_linear(node) if node.op_type == "Gemm" else (True, False)
+        plain, transposed_b = _gemm_as_linear(node) if node.op_type == "Gemm" else (True, False)
         bias = node.input[2] if node.op_type == "Gemm" and len(node.input) > 2 and node.input[2] else None
-        if not plain or (bias is not None and bias not in initializers):
+        if not plain or (bias is not None and bias not in index.initializers):
             continue
-        k, n = (weight.dims[1], weight.dims[0]) if transposed else (weight.dims[0], weight.dims[1])
-        found.append(Linear(node, weight.name, layer_of(node.name), k, n, transposed, bias))
+        stored = index.initializers[chain.initializer].dims
+        transposed = transposed_b != chain.transposed
+        k, n = (stored[1], stored[0]) if transposed else (stored[0], stored[1])
+        found.append(Linear(node, chain.initializer, layer_of(node.name), k, n, transposed, bias))
     return found
 
 
-def weight_matrix(linear: Linear, initializers: dict) -> np.ndarray:
-    """The layer's weight as [K, N] float32."""
-    from onnx import numpy_helper
-
-    weight = numpy_helper.to_array(initializers[linear.weight_name])
-    return np.ascontiguousarray(weight.T if linear.transposed else weight).astype(np.float32)
+def weight_matrix(linear: Linear, store: WeightStore) -> np.ndarray:
+    """The layer's weight as [K, N] float32: a transposed view of a weight stored [N, K] (the codes
+    are computed row by row of N, so its rows need no copy)."""
+    weight = store.array(linear.weight_name)
+    return weight.T if linear.transposed else weight
 
 
 def layer_blocks(linears: list[Linear], block: int) -> tuple[dict[str, int], list[str]]:
@@ -100,69 +107,84 @@ def layer_bits(cfg: QuantizeConfig, layer: int | None, num_layers: int) -> int:
 
 @dataclass(frozen=True)
 class OutputLayer:
-    """The logits MatMul and its weight [K, vocab]; when tied, the embedding table and its Gather."""
+    """The logits MatMul, the chain its weight [K, vocab] is read through, and, when the token
+    embedding shares that matrix, the lookup."""
 
     node: object
-    weight: np.ndarray
-    weight_initializer: str  # the table (tied) or the output layer's own weight
-    transpose: object | None  # optimum's run-time Transpose of a tied table
+    chain: Chain
+    k: int  # hidden size
     gather: object | None  # the embedding lookup sharing the table
+
+    @property
+    def weight_initializer(self) -> str:
+        return self.chain.initializer
+
+    def weight(self, store: WeightStore) -> np.ndarray:
+        return store.value(self.chain)
 
 
 def output_layer(model) -> OutputLayer | None:
     """Find the output layer and, if the embedding shares its matrix, the lookup.
 
-    Two tied layouts occur: optimum computes the output weight at run time as Transpose(table) of
-    the embedding table; onnxruntime-genai's builder stores the output weight and computes the
-    table as Transpose(weight).
+    Tied layouts: optimum (and ortforge's exporter) compute the output weight at run time as
+    Transpose(table) of the embedding table; onnxruntime-genai's builder stores the output weight
+    and computes the table as Transpose(weight). Either way the lookup reads the same initializer.
     """
-    from onnx import numpy_helper
-
-    graph = model.graph
-    producers = {out: node for node in graph.node for out in node.output}
-    initializers = {t.name: t for t in graph.initializer}
+    index = GraphIndex(model)
     logits = onnx_io.output_matmul(model)
     if logits is None or logits.op_type != "MatMul":
         return None
-
-    def transposes_of(name: str):
-        return [n for n in graph.node if n.op_type == "Transpose" and n.input[0] == name]
-
-    def gather_of(table: str):
-        return next((n for n in graph.node if n.op_type == "Gather" and n.input[0] == table), None)
-
-    source = producers.get(logits.input[1])
-    if source is not None and source.op_type == "Transpose" and source.input[0] in initializers:
-        table = source.input[0]  # optimum: logits = x . Transpose(table)
-        weight = numpy_helper.to_array(initializers[table]).T
-        return OutputLayer(logits, np.ascontiguousarray(weight), table, source, gather_of(table))
-    if logits.input[1] not in initializers:
+    chain = index.chain(logits.input[1])
+    if chain is None:
         return None
-    weight_name = logits.input[1]
-    weight = numpy_helper.to_array(initializers[weight_name])
-    for transpose in transposes_of(weight_name):  # genai: table = Transpose(weight)
-        gather = gather_of(transpose.output[0])
-        if gather is not None:
-            return OutputLayer(logits, weight, weight_name, transpose, gather)
-    return OutputLayer(logits, weight, weight_name, None, None)
+    stored = index.initializers[chain.initializer].dims
+    gather = next(
+        (
+            node
+            for node in model.graph.node
+            if node.op_type == "Gather"
+            and (table := index.chain(node.input[0])) is not None
+            and table.initializer == chain.initializer
+        ),
+        None,
+    )
+    return OutputLayer(logits, chain, stored[1] if chain.transposed else stored[0], gather)
 
 
-def token_embedding(model):
-    """The Gather that looks token ids up in a float table of its own, or None (tied, or already quantized)."""
-    initializers = {t.name: t for t in model.graph.initializer}
+def token_embedding(model) -> tuple[object, Chain] | None:
+    """The Gather that looks token ids up in a float table of its own, and the chain it reads the
+    table [vocab, hidden] through; None when tied (or already quantized)."""
+    index = GraphIndex(model)
+    head = output_layer(model)
     for node in model.graph.node:
-        table = initializers.get(node.input[0]) if node.op_type == "Gather" else None
-        if table is not None and len(table.dims) == 2 and node.input[1] == "input_ids" and table.data_type == 1:
-            return node, table
+        if node.op_type != "Gather" or node.input[1] != "input_ids":
+            continue
+        chain = index.chain(node.input[0])
+        if chain is None or chain.transposed or (head is not None and chain.initializer == head.weight_initializer):
+            continue
+        table = index.initializers[chain.initializer]
+        if len(table.dims) == 2 and table.data_type in (1, 10, 16):
+            return node, chain
     return None
 
 
-def calibrated_inputs(model, cfg: QuantizeConfig) -> list[str]:
-    """The layer inputs whose statistics (H = sum x x^T) the chosen algorithms need."""
-    wanted = []
+def input_readers(model) -> dict[str, object]:
+    """The first linear (or the output layer) reading each layer input, by input tensor name."""
+    readers: dict[str, object] = {}
+    head = output_layer(model)
+    for node in [linear.node for linear in linear_layers(model)] + ([head.node] if head is not None else []):
+        readers.setdefault(node.input[0], node)
+    return readers
+
+
+def calibrated_inputs(model, cfg: QuantizeConfig) -> dict[str, str]:
+    """The layer inputs whose statistics the chosen algorithms need, and which: GPTQ's H = sum x x^T
+    (FULL), or only its diagonal (imatrix weighs each input channel by its mean square)."""
+    wanted: dict[str, str] = {}
     if cfg.algorithm in ("gptq", "imatrix"):
-        wanted += [linear.node.input[0] for linear in linear_layers(model)]
+        kind = FULL if cfg.algorithm == "gptq" else DIAGONAL
+        wanted |= {linear.node.input[0]: kind for linear in linear_layers(model)}
     head = output_layer(model)
     if head is not None and cfg.output_algorithm == "imatrix":
-        wanted.append(head.node.input[0])
-    return sorted(set(wanted))
+        wanted.setdefault(head.node.input[0], DIAGONAL)
+    return dict(sorted(wanted.items()))

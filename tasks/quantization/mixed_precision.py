@@ -181,7 +181,7 @@ def _quantized_names(model) -> set[str]:
     names = {lin.weight_name for lin in layers.linear_layers(model)}
     head, embedding = layers.output_layer(model), layers.token_embedding(model)
     names |= {head.weight_initializer} if head is not None else set()
-    names |= {embedding[1].name} if embedding is not None else set()
+    names |= {embedding[1].initializer} if embedding is not None else set()
     return names
 
 
@@ -195,7 +195,7 @@ def _floor_bytes(model, cfg: QuantizeConfig, measured: dict) -> float:
         by_part.setdefault(linear.layer, set()).add(linear.weight_name)
     embedding = layers.token_embedding(model)
     if embedding is not None:
-        by_part[OUTPUT].add(embedding[1].name)
+        by_part[OUTPUT].add(embedding[1].initializer)
     replaced = {name for part in measured for name in by_part.get(part, ())}
     return sum(size for name, size in estimate.items() if name not in replaced) + sum(
         size for _, size in measured.values()

@@ -25,6 +25,7 @@ import logging
 import numpy as np
 
 from tasks.core.errors import StageError
+from tasks.graphs.weights import ExternalData, WeightStore, prune
 from tasks.quantization.codes import MIN_BLOCK, layer_block, pack, pack_zero_points, quantize_codes, round_to_nearest
 from tasks.quantization.configs import QuantizeConfig
 from tasks.quantization.layers import (
@@ -52,37 +53,32 @@ def vocabulary_block(k: int, block: int, what: str) -> tuple[int, list[str]]:
 
 
 def quantize_output_layer(
-    writer: GraphWriter, head: OutputLayer, cfg: QuantizeConfig, hessian: np.ndarray | None
+    writer: GraphWriter, store: WeightStore, head: OutputLayer, cfg: QuantizeConfig, hessian: np.ndarray | None
 ) -> list[str]:
     # GatherBlockQuantized takes integer zero points only, so the shared codes use them.
     zero_point = "none" if cfg.zero_point == "none" else "integer"
-    block, notes = vocabulary_block(head.weight.shape[0], cfg.block_size, "output layer")
-    codes = quantize_codes(cfg.output_algorithm, head.weight, cfg.output_bits, block, zero_point, hessian)
+    block, notes = vocabulary_block(head.k, cfg.block_size, "output layer")
+    codes = quantize_codes(cfg.output_algorithm, head.weight(store), cfg.output_bits, block, zero_point, hessian)
     stored = write_matmul(writer, head.node.input[0], head.node.output[0], "lm_head", codes, cfg.accuracy_level)
-    graph = writer.model.graph
-    graph.node.remove(head.node)
-    if head.transpose is not None:
-        graph.node.remove(head.transpose)
+    writer.model.graph.node.remove(head.node)
     if head.gather is not None:
         write_embedding(writer, head.gather, stored, codes)
-        graph.node.remove(head.gather)
-    graph.initializer.remove(next(t for t in graph.initializer if t.name == head.weight_initializer))
-    return notes
+        writer.model.graph.node.remove(head.gather)
+    return notes  # the float matrix and the nodes that read it go with prune()
 
 
-def quantize_untied_embedding(writer: GraphWriter, cfg: QuantizeConfig) -> list[str]:
+def quantize_untied_embedding(writer: GraphWriter, store: WeightStore, cfg: QuantizeConfig) -> list[str]:
     """An embedding table the output layer does not share, to GatherBlockQuantized codes at the
     output layer's width (llama.cpp quantizes token_embd too): at fp32 it would be the largest
     part of a small model's int4 artifact."""
-    from onnx import numpy_helper
-
     found = token_embedding(writer.model)
     if found is None:
         return []
-    gather, table = found
-    rows = numpy_helper.to_array(table)
+    gather, chain = found
+    rows = store.value(chain)
     block, notes = vocabulary_block(rows.shape[1], cfg.block_size, "token embedding")
     codes = round_to_nearest(rows.T, cfg.output_bits, block, "none" if cfg.zero_point == "none" else "integer")
+    del rows
     stem = gather.name or "embedding"
     packed = writer.constant(stem + "/q", pack(codes.codes, codes.bits, codes.block))
     scales = writer.half_constant(stem + "/scales", codes.scales)
@@ -92,48 +88,54 @@ def quantize_untied_embedding(writer: GraphWriter, cfg: QuantizeConfig) -> list[
     )
     write_embedding(writer, gather, StoredCodes(packed, scales, zero_points), codes)
     writer.model.graph.node.remove(gather)
-    writer.model.graph.initializer.remove(table)
     return notes
 
 
 def quantize_model(
-    model, cfg: QuantizeConfig, hessians: dict[str, np.ndarray] | None = None, only_blocks: set[int] | None = None
+    model,
+    cfg: QuantizeConfig,
+    hessians: dict[str, np.ndarray] | None = None,
+    only_blocks: set[int] | None = None,
+    store: WeightStore | None = None,
+    data: ExternalData | None = None,
 ):
     """Rewrite model in place: linears to MatMulNBits (siblings packed); unless output_bits is 32,
     the output layer (and a tied embedding) to codes shared by MatMulNBits and GatherBlockQuantized.
     Returns model and notes on layers that could not use the asked block size.
 
-    hessians maps each name from calibrated_inputs() to its H; only_blocks (None: all) limits the
-    linears quantized to those decoder blocks, leaving the others float (mixed_precision measures
-    one block at a time)."""
+    hessians maps each name from calibrated_inputs() to its statistics (H, or its diagonal);
+    only_blocks (None: all) limits the linears quantized to those decoder blocks, leaving the
+    others float (mixed_precision measures one block at a time). store reads the float weights
+    (default: the model's own, loaded); with data, the codes are written there as they are made.
+    One group of weights is in memory at a time."""
     from onnxruntime.transformers.onnx_model import OnnxModel
 
     hessians = hessians or {}
-    writer = GraphWriter(model)
+    store = store or WeightStore(model, None)
+    writer = GraphWriter(model, data)
     linears = linear_layers(model)
     if only_blocks is not None:
         linears = [linear for linear in linears if linear.layer in only_blocks]
     blocks, notes = layer_blocks(linears, cfg.block_size)
     num_layers = 1 + max((lin.layer for lin in linears if lin.layer is not None), default=0)
-    initializers = {t.name: t for t in model.graph.initializer}
     done = 0
     for group in sibling_groups(linears, blocks):
-        weights = np.concatenate([weight_matrix(lin, initializers) for lin in group], axis=1)
+        # Side by side as [K, N]; joined as rows [N, K], where a weight stored [N, K] is contiguous.
+        weights = np.concatenate([weight_matrix(lin, store).T for lin in group], axis=0).T
         bits, block = layer_bits(cfg, group[0].layer, num_layers), blocks[group[0].node.name]
         hessian = hessians.get(group[0].node.input[0])
         codes = quantize_codes(cfg.algorithm, weights, bits, block, cfg.zero_point, hessian)
-        write_linears(writer, group, codes, cfg.accuracy_level)
+        del weights
+        write_linears(writer, store, group, codes, cfg.accuracy_level)
         for linear in group:
             model.graph.node.remove(linear.node)
-            model.graph.initializer.remove(initializers[linear.weight_name])
-            if linear.bias:
-                model.graph.initializer.remove(initializers[linear.bias])
         done, before = done + len(group), done
         if done // 30 > before // 30 or done == len(linears):
             log.info("quantized %d/%d linear layers", done, len(linears))
     head = output_layer(model)
     if head is not None and cfg.output_bits != 32:
-        notes += quantize_output_layer(writer, head, cfg, hessians.get(head.node.input[0]))
-        notes += quantize_untied_embedding(writer, cfg)
+        notes += quantize_output_layer(writer, store, head, cfg, hessians.get(head.node.input[0]))
+        notes += quantize_untied_embedding(writer, store, cfg)
+    prune(model)  # the float weights (and Cast/Transpose nodes) nothing reads any more
     OnnxModel(model).topological_sort()
     return model, notes

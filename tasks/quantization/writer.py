@@ -8,21 +8,27 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tasks.graphs.weights import ExternalData, WeightStore
 from tasks.quantization.codes import BlockCodes, is_integer_grid, offset_rows, pack, pack_zero_points
 from tasks.quantization.layers import Linear
 
 
 class GraphWriter:
-    """Adds initializers and nodes to a model, naming them uniquely after their origin."""
+    """Adds initializers and nodes to a model, naming them uniquely after their origin. With data
+    (an ExternalData file), each constant's bytes go to disk as it is made, so the codes of a
+    whole model are never in memory together."""
 
-    def __init__(self, model):
+    def __init__(self, model, data: ExternalData | None = None):
         self.model = model
+        self.data = data
         self.block_sums: dict[tuple[str, int], str] = {}
 
     def constant(self, name: str, array: np.ndarray) -> str:
         from onnx import numpy_helper
 
-        self.model.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        array = np.ascontiguousarray(array)
+        tensor = self.data.tensor(array, name) if self.data is not None and array.nbytes >= 1024 else None
+        self.model.graph.initializer.append(tensor or numpy_helper.from_array(array, name))
         return name
 
     def half_constant(self, name: str, array: np.ndarray) -> str:
@@ -104,21 +110,17 @@ def write_matmul(
     return StoredCodes(packed, scales, zero_points)
 
 
-def group_bias(writer: GraphWriter, group: list[Linear], stem: str) -> str:
+def group_bias(writer: GraphWriter, store: WeightStore, group: list[Linear], stem: str) -> str:
     """The group's biases side by side ("" when none has one)."""
-    from onnx import numpy_helper
-
     if not any(linear.bias for linear in group):
         return ""
-    initializers = {t.name: t for t in writer.model.graph.initializer}
-    parts = [
-        numpy_helper.to_array(initializers[linear.bias]).reshape(-1) if linear.bias else np.zeros(linear.width)
-        for linear in group
-    ]
+    parts = [store.array(linear.bias).reshape(-1) if linear.bias else np.zeros(linear.width) for linear in group]
     return writer.constant(stem + "/bias", np.concatenate(parts).astype(np.float32))
 
 
-def write_linears(writer: GraphWriter, group: list[Linear], codes: BlockCodes, accuracy_level: int) -> None:
+def write_linears(
+    writer: GraphWriter, store: WeightStore, group: list[Linear], codes: BlockCodes, accuracy_level: int
+) -> None:
     """The group's MatMulNBits (codes hold its weights side by side), split back into each output."""
     from onnx import helper
 
@@ -126,11 +128,11 @@ def write_linears(writer: GraphWriter, group: list[Linear], codes: BlockCodes, a
     stem = first.node.name or first.weight_name
     rank = 2 if first.node.op_type == "Gemm" else 3  # Gemm reads a matrix; the exporters' MatMuls [batch, seq, K]
     if len(group) == 1:
-        bias = group_bias(writer, group, stem)
+        bias = group_bias(writer, store, group, stem)
         write_matmul(writer, first.node.input[0], first.node.output[0], stem, codes, accuracy_level, bias, rank)
         return
     stem, packed = f"{stem}/packed{len(group)}", f"{first.node.output[0]}/packed{len(group)}"
-    bias = group_bias(writer, group, stem)
+    bias = group_bias(writer, store, group, stem)
     write_matmul(writer, first.node.input[0], packed, stem, codes, accuracy_level, bias, rank)
     widths = writer.constant(stem + "/widths", np.array([g.width for g in group], dtype=np.int64))
     outputs = [linear.node.output[0] for linear in group]
