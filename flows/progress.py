@@ -14,6 +14,10 @@ LOG = Path("logs/build.log")  # under the repository root; git-ignored
 # module itself (run as __main__) says what it wrote or found.
 STAGE_MESSAGE = re.compile(r"^\S+ \S+ __main__ INFO (.*)$")
 PROBLEM = re.compile(r"^(error: |ERROR: )")
+# A stage's memory estimate (tasks/core/resources.py logs it before work), and DVC's word for a
+# stage the kernel killed (SIGKILL: the out-of-memory killer, unless someone ran kill -9).
+PREFLIGHT = re.compile(r"preflight: (\S+) needs about (.+?) of memory .*?; (.+?) of memory and")
+KILLED = re.compile(r"failed to reproduce '([^']+)'.*exited with -9")
 MESSAGE_WIDTH = 150
 
 
@@ -22,6 +26,7 @@ class StageLines:
 
     def __init__(self, say):
         self.say, self.stage, self.started, self.message = say, None, 0.0, ""
+        self.estimates: dict[str, tuple[str, str]] = {}  # stage -> (memory needed, memory available)
 
     def line(self, text: str) -> None:
         from flows.dvc import STAGE_STARTED
@@ -31,11 +36,23 @@ class StageLines:
             self.finish()
             self.stage, self.started, self.message = started.group(1), time.perf_counter(), ""
             return
+        if (estimate := PREFLIGHT.search(text)) is not None:
+            self.estimates[estimate.group(1)] = (estimate.group(2), estimate.group(3))
         message = STAGE_MESSAGE.match(text)
         if message:
             self.message = message.group(1)
+        elif (killed := KILLED.search(text)) is not None:
+            self.say(self.killed(killed.group(1)))
         elif PROBLEM.match(text):
             self.say(text)
+
+    def killed(self, stage: str) -> str:
+        """The line for a stage that died of SIGKILL: almost always the out-of-memory killer."""
+        line = f"error: {stage} was killed (SIGKILL), most likely by the kernel's out-of-memory killer"
+        if stage in self.estimates:
+            needed, available = self.estimates[stage]
+            return f"{line}: its estimate was about {needed} of memory, with {available} available at its start"
+        return f"{line}: give it more memory"
 
     def finish(self) -> None:
         if self.stage is not None:

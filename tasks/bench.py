@@ -18,7 +18,7 @@ from ortforge import machine
 from ortforge.manifest import check_validated
 from ortforge.names import CONTEXT_LENGTH_KEY, MODEL_FILE
 from ortforge.session import SessionSettings
-from tasks.core import paths
+from tasks.core import paths, resources
 from tasks.core.files import atomic_write_json, folder_bytes
 from tasks.core.params import BenchConfig
 from tasks.core.stage import StageError, stage_cli
@@ -154,6 +154,19 @@ def run(cfg: BenchConfig, variant_dir: Path, hf_dir: Path) -> dict:
     return result
 
 
+def needs(a) -> resources.Needs:
+    """Each engine runs in a process of its own, one after another: the larger of the variant's
+    and, with bench.baseline, PyTorch's float32 model."""
+    cfg = a.params.bench
+    engine = resources.runtime_needs(a.paths["variant-dir"], cfg.prompt_tokens, "generation")
+    if not cfg.baseline:
+        return engine
+    size = resources.ModelSize.of(a.paths["hf"])
+    baseline = resources.BASE_MEMORY + 1.3 * size.total
+    basis = f"{engine.basis}, then PyTorch's {resources.amount(size.total)} float32 baseline (bench.baseline)"
+    return resources.Needs(max(engine.memory, baseline), 0, basis)
+
+
 def main(argv: list[str] | None = None) -> int:
     flags = {
         "variant-dir": paths.variant_dir,
@@ -170,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         atomic_write_json(p["runtime"], runtime_settings(result, a.params.bench))
         atomic_write_json(p["report"], result)
 
-    return stage_cli("bench", __doc__, flags, body, argv, variant=True)
+    return stage_cli("bench", __doc__, flags, body, argv, variant=True, needs=needs)
 
 
 if __name__ == "__main__":

@@ -53,8 +53,28 @@ class DownloadResult:
     size_mb: float
 
 
-def run(spec: ModelSpec, out_dir: Path) -> DownloadResult:
-    """Write the model described by spec as a plain HF folder at out_dir."""
+def gguf_needs(gguf_path: Path) -> resources.Needs:
+    """transformers dequantizes the whole GGUF to float32 in memory (a 4-bit file grows about 8x)
+    and the stage writes it as safetensors."""
+    size = gguf_path.stat().st_size
+    basis = f"the {resources.amount(size)} GGUF file dequantized to float32 by transformers"
+    return resources.Needs(resources.BASE_MEMORY + 10 * size, 9 * size, basis)
+
+
+def folder_needs(folder: Path, spec: ModelSpec) -> resources.Needs:
+    """A safetensors folder is copied file by file; pickle weights (when allowed) are loaded whole
+    to be written as safetensors."""
+    size = resources.input_bytes(folder)
+    pickles = spec.allow_pickle and any(folder.glob(pattern) for pattern in PICKLE_WEIGHT_PATTERNS)
+    if pickles:
+        basis = f"the {resources.amount(size)} pickle checkpoint loaded whole to convert it"
+        return resources.Needs(resources.BASE_MEMORY + 3 * size, 2 * size, basis)
+    return resources.Needs(resources.BASE_MEMORY, 1.05 * size, f"a copy of the {resources.amount(size)} folder")
+
+
+def run(spec: ModelSpec, out_dir: Path, stage: str = "download") -> DownloadResult:
+    """Write the model described by spec as a plain HF folder at out_dir (stage: its name in
+    messages, as DVC calls it)."""
     source = spec.source
     # Everything that can fail on bad input runs before the output folder is created.
     if isinstance(source, (GGUFSource, GGUFPackageSource)):
@@ -62,7 +82,7 @@ def run(spec: ModelSpec, out_dir: Path) -> DownloadResult:
             info, record = gguf.inspect(gguf_path, source.sha256)
             if isinstance(source, GGUFPackageSource):
                 record |= _package_record(source)
-            resources.check_room("download", resources.DOWNLOAD_GGUF_NEEDS, gguf_path, out_dir)
+            resources.check(stage, gguf_needs(gguf_path), out_dir)
             with atomic_output_dir(out_dir) as tmp:
                 record["tokenizer"] = gguf.convert(gguf_path, info, tmp)
                 _finish(tmp, spec, record)
@@ -71,7 +91,7 @@ def run(spec: ModelSpec, out_dir: Path) -> DownloadResult:
             folder, record = fetch_hub(source, allowed_patterns(spec))
         else:
             folder, record = _local_folder(source), {"kind": "local", "path": str(source.path)}
-        resources.check_room("download", resources.DOWNLOAD_FOLDER_NEEDS, folder, out_dir)
+        resources.check(stage, folder_needs(folder, spec), out_dir)
         check_has_tokenizer(folder)
         with atomic_output_dir(out_dir) as tmp:
             copy_allowed(folder, tmp, allowed_patterns(spec))
@@ -267,9 +287,10 @@ def _finish(folder: Path, spec: ModelSpec, record: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return stage_cli(
-        "download", __doc__, {"out": paths.hf_dir}, lambda a: run(a.params.model(a.model), a.paths["out"]), argv
-    )
+    def body(a):
+        run(a.params.model(a.model), a.paths["out"], a.name("download"))
+
+    return stage_cli("download", __doc__, {"out": paths.hf_dir}, body, argv)
 
 
 if __name__ == "__main__":

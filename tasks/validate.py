@@ -19,7 +19,7 @@ import numpy as np
 
 from ortforge.manifest import read_manifest, sha256_file, validation_stamp
 from ortforge.names import MANIFEST_FILE, MODEL_FILE
-from tasks.core import paths
+from tasks.core import paths, resources
 from tasks.core.files import atomic_write_json
 from tasks.core.params import EvalConfig, Thresholds
 from tasks.core.stage import StageError, stage_cli
@@ -210,6 +210,10 @@ def run(
     return figures
 
 
+def needs(a) -> resources.Needs:
+    return resources.runtime_needs(a.paths["variant-dir"], a.params.validation.eval.window, "scoring windows")
+
+
 def main(argv: list[str] | None = None) -> int:
     flags = {"variant-dir": paths.variant_dir, "reference": paths.reference_dir, "report": paths.validate_json}
     # The stamp lands beside the variant folder (paths.validation_stamp); it has no flag of its own.
@@ -219,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         limits = a.params.thresholds(a.model, a.variant)
         run(a.params.validation.eval, limits, p["variant-dir"], p["reference"], p["report"], a.variant)
 
-    return stage_cli("validate", __doc__, flags, body, argv, variant=True)
+    return stage_cli("validate", __doc__, flags, body, argv, variant=True, needs=needs)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,22 @@ def test_one_line_per_stage_with_its_own_message_and_problems_as_they_come():
     assert all(line.endswith(" s)") for line in said if "@" in line.split(":")[0])
 
 
+def test_a_stage_killed_by_the_kernel_is_said_to_be_out_of_memory_with_its_estimate():
+    said = []
+    stages = StageLines(said.append)
+    for line in [
+        "Running stage 'quantize@m-int4':",
+        "2026-12-01 10:00:00 tasks.core.resources INFO preflight: quantize@m-int4 needs about 9.1 GB of memory "
+        "and 0.8 GB of disk (one weight at a time); 6.0 GB of memory and 40.0 GB of disk are available",
+        "ERROR: failed to reproduce 'quantize@m-int4': failed to run: python -m tasks.quantize, exited with -9",
+    ]:
+        stages.line(line)
+    assert said == [
+        "error: quantize@m-int4 was killed (SIGKILL), most likely by the kernel's out-of-memory killer: its "
+        "estimate was about 9.1 GB of memory, with 6.0 GB available at its start"
+    ]
+
+
 @pytest.mark.e2e
 def test_build_prints_a_screen_and_logs_the_rest(built_clone):  # noqa: F811
     set_param(built_clone, ["quantize", "int4", "block_size"], 16)  # int4's quantize, validate, bench, report

@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 import inspect
 import logging
+import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,9 +19,11 @@ from tasks.core.lifetime import die_with_parent
 
 if TYPE_CHECKING:
     from tasks.core.params import Params
+    from tasks.core.resources import Needs
 
 __all__ = ["StageError", "StageArgs", "stage_cli"]
 
+COSTS_ENV = "ORTFORGE_STAGE_COSTS"  # a file each stage appends its wall time and peak memory to
 # Path flags a stage writes; every other path flag is an input.
 OUTPUT_FLAGS = ("out", "report", "runtime", "md", "png", "html", "json")
 
@@ -31,6 +35,10 @@ class StageArgs:
     variant: str | None
     paths: dict[str, Path]
     pins_file: Path  # versions.yaml beside the params file
+
+    def name(self, stage: str) -> str:
+        """The stage as DVC names it: export@<model>, quantize@<model>-<variant>."""
+        return f"{stage}@{self.model}" + (f"-{self.variant}" if self.variant else "")
 
 
 def _default_path(path_of: Callable[..., Path], model: str, variant: str | None) -> Path:
@@ -46,11 +54,13 @@ def stage_cli(
     argv: Sequence[str] | None = None,
     *,
     variant: bool = False,
+    needs: Callable[[StageArgs], Needs] | None = None,
 ) -> int:
     """Parse argv, check params and tool versions, run body; a StageError becomes one line, exit 2.
 
     path_flags maps each flag name (without dashes) to the tasks.core.paths function giving its default.
-    The tool versions are checked against versions.yaml beside the params file.
+    The tool versions are checked against versions.yaml beside the params file. needs gives the
+    stage's memory and disk estimate, checked before body runs.
     """
     parser = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
     parser.add_argument("--params", default="params.yaml", help="the params file (default: params.yaml)")
@@ -80,21 +90,40 @@ def stage_cli(
             flag: getattr(args, flag.replace("-", "_")) or _default_path(path_of, args.model, chosen_variant)
             for flag, path_of in path_flags.items()
         }
-        preflight(stage, resolved)
-        body(StageArgs(params, args.model, chosen_variant, resolved, pins_file))
+        stage_args = StageArgs(params, args.model, chosen_variant, resolved, pins_file)
+        estimate = needs(stage_args) if needs else None
+        preflight(stage_args.name(stage), resolved, estimate)
+        started = time.perf_counter()
+        body(stage_args)
+        record_cost(stage_args.name(stage), time.perf_counter() - started, estimate)
     except StageError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     return 0
 
 
-def preflight(stage: str, paths: dict[str, Path]) -> None:
+def record_cost(stage: str, seconds: float, estimate: Needs | None) -> None:
+    """Log what the stage took (wall time, the peak resident memory of it and its children), and
+    append it as a JSON line to $ORTFORGE_STAGE_COSTS when set (benchmarks/scale.py reads them)."""
+    import json
+    import resource
+
+    peak = 1024 * max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    logging.getLogger(__name__).info("%s took %.0f s, peak memory %.2f GB", stage, seconds, peak / 1e9)
+    if os.environ.get(COSTS_ENV):
+        record = {"stage": stage, "seconds": round(seconds, 2), "peak_rss_bytes": peak}
+        if estimate is not None:
+            record |= {"estimated_memory_bytes": int(estimate.memory), "estimated_disk_bytes": int(estimate.disk)}
+        with open(os.environ[COSTS_ENV], "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+
+def preflight(stage: str, paths: dict[str, Path], needs: Needs | None) -> None:
     """Before heavy work: every output can be written, and disk and memory hold the estimate."""
     from tasks.core import resources
 
     outputs = [paths[flag] for flag in OUTPUT_FLAGS if flag in paths]
     for output in outputs:
         resources.check_writable(output)
-    needs = resources.STAGE_NEEDS.get(stage)
     if needs is not None:
-        resources.check_room(stage, needs, paths[needs.input_flag], outputs[0])
+        resources.check(stage, needs, outputs[0])
