@@ -72,6 +72,11 @@ def pull(root: Path) -> None:
 
 @task(**NETWORK_RETRIES)
 def push(root: Path) -> None:
+    from flows.cache_links import remove_damaged
+
+    # A hard-linked output written in place since the build would push damaged bytes.
+    if remove_damaged(root, get_run_logger().warning):
+        raise RuntimeError("cache objects were written in place after the build; rebuild before pushing")
     dvc(root, "push")
 
 

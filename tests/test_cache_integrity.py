@@ -1,5 +1,7 @@
-"""An artifact modified in place after checkout is detected, is not pushed as the cached one, and
-the runtime refuses to run it; the project's DVC settings keep the cache apart from the workspace."""
+"""An artifact modified in place after checkout is detected, the runtime refuses to run it, and the
+damaged bytes are never pushed: the workspace files are hard links to the cache objects (one copy
+on disk), so the build's check (flows/cache_links.py) removes the damaged object before DVC or a
+push can trust it."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from flows.preflight import before_build
 from ortforge.manifest import check_validated
 from tests.conftest import REPO, dvc, fresh_clone
 
@@ -39,16 +42,19 @@ def test_in_place_edit_is_detected_and_never_pushed(pushed):
     with pytest.raises(ValueError, match=r"changed after validation \(model.onnx differ"):
         check_validated(variant)
 
+    said = []
+    before_build(clone, say=said.append)  # what `ortforge build` and the scheduled push run first
+    assert len(said) == 1 and "model.onnx was changed in place" in said[0]
+    assert md5_named_objects_match(clone / ".dvc" / "cache") > 10  # the damaged object is gone
     dvc(clone, "push")
     remote = pushed.parent / "ortforge-dvc-remote"
     assert md5_named_objects_match(remote) > 10
-    assert md5_named_objects_match(clone / ".dvc" / "cache") > 10  # the cache copy is untouched
 
-    dvc(clone, "checkout", "--force")
+    dvc(clone, "pull", "--force")  # the remote's true copy comes back
     assert check_validated(variant)["passed"]
 
 
-def test_project_cache_never_links_workspace_files_to_cache_objects():
+def test_project_cache_links_workspace_files_where_it_cannot_reflink():
     link_types = [kind.strip() for kind in dvc(REPO, "config", "cache.type").stdout.strip().split(",")]
-    # hardlink and symlink make the workspace file *be* the cache object: an in-place write corrupts it.
-    assert link_types and set(link_types) <= {"reflink", "copy"}
+    # Never symlink; hard links only with flows/cache_links.py's check in front of every build.
+    assert link_types == ["reflink", "hardlink", "copy"]
