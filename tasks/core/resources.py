@@ -187,11 +187,16 @@ def _cgroup_reading(folder: Path, limit_file: str, usage_file: str, cache_key: s
     return int(limit_text), used - stat.get(cache_key, 0)
 
 
+def resident_memory() -> int:
+    """What this process holds now (its imports): part of the stage's peak, already paid."""
+    return psutil.Process().memory_info().rss
+
+
 def check(stage: str, needs: Needs, output: Path) -> None:
     """Raise StageError (one line) when free disk or available memory is below the estimate. The
     estimate is the stage's whole peak, so what this process holds already (its imports) counts
     as available to it."""
-    memory_free = available_memory() + psutil.Process().memory_info().rss
+    memory_free = available_memory() + resident_memory()
     disk_free = shutil.disk_usage(nearest_existing(output)).free
     log.info(
         "preflight: %s needs about %s of memory and %s of disk (%s); %s of memory and %s of disk are available",
