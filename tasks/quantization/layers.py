@@ -100,6 +100,28 @@ def sibling_groups(linears: list[Linear], blocks: dict[str, int]) -> list[list[L
     return list(groups.values())
 
 
+# What may stand between a projection and the attention that reads it: a bias, Qwen3's head norm.
+TOWARD_ATTENTION = frozenset({"Add", "Reshape", "SimplifiedLayerNormalization"})
+
+
+def feed_one_attention(model, group: list[Linear]) -> bool:
+    """Whether the group's outputs all reach one GroupQueryAttention node (its q, k and v)."""
+    index = GraphIndex(model)
+
+    def attention_of(name: str):
+        frontier = [name]
+        for _ in range(4):
+            readers = [node for value in frontier for node in index.consumers.get(value, [])]
+            found = {node.name for node in readers if node.op_type == "GroupQueryAttention"}
+            if found:
+                return found
+            frontier = [out for node in readers if node.op_type in TOWARD_ATTENTION for out in node.output]
+        return set()
+
+    reached = [attention_of(linear.node.output[0]) for linear in group]
+    return all(len(found) == 1 for found in reached) and len(set.union(*reached)) == 1
+
+
 def layer_bits(cfg: QuantizeConfig, layer: int | None, num_layers: int) -> int:
     eight_bit = {i % num_layers for i in cfg.eight_bit_blocks}
     return 8 if layer is not None and layer in eight_bit else cfg.bits

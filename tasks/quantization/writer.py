@@ -10,7 +10,7 @@ import numpy as np
 
 from tasks.graphs.weights import ExternalData, WeightStore
 from tasks.quantization.codes import BlockCodes, is_integer_grid, offset_rows, pack, pack_zero_points
-from tasks.quantization.layers import Linear
+from tasks.quantization.layers import Linear, weight_matrix
 
 
 class GraphWriter:
@@ -163,3 +163,20 @@ def write_embedding(writer: GraphWriter, gather, stored: StoredCodes, codes: Blo
             ),
         ]
     )
+
+
+def write_float_linears(writer: GraphWriter, store: WeightStore, group: list[Linear]) -> None:
+    """Linears reading one input as one float MatMul over their weights side by side, split back
+    into each output."""
+    from onnx import helper
+
+    first = group[0]
+    stem, packed = f"{first.node.name}/packed{len(group)}", f"{first.node.output[0]}/packed{len(group)}"
+    weights = writer.constant(stem + "/weight", np.concatenate([weight_matrix(lin, store) for lin in group], axis=1))
+    widths = writer.constant(stem + "/widths", np.array([linear.width for linear in group], dtype=np.int64))
+    outputs = [linear.node.output[0] for linear in group]
+    graph = writer.model.graph
+    graph.node.append(helper.make_node("MatMul", [first.node.input[0], weights], [packed], name=stem))
+    graph.node.append(helper.make_node("Split", [packed, widths], outputs, axis=-1, name=stem + "/Split"))
+    for linear in group:
+        graph.node.remove(linear.node)
