@@ -25,7 +25,7 @@ COLUMNS = (
     "family",
     "config class",
     "exporter",
-    "genai refused because",
+    "earlier exporters refused because",
     "fp32 vs PyTorch",
     "int8 ppl",
     "int4 ppl",
@@ -43,7 +43,7 @@ def row(family: str, root: Path) -> dict:
         "family": family,
         "config_class": families.FAMILIES[family][0],
         "exporter": record["exporter"],
-        "genai_refused": record["refused"].get("genai", ""),
+        "refused": record["refused"],
         "export_parity": record["parity"]["max_relative_logit_diff"],
         "runtime_vs_pytorch": families.runtime_gap(folders["fp32"], folders["hf"]),
         "ppl_ratio": {variant: figures["ppl_ratio"] for variant, figures in reports.items()},
@@ -57,7 +57,7 @@ def row(family: str, root: Path) -> dict:
 def markdown(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in rows:
-        refused = r["genai_refused"].split(" (")[0] if r["genai_refused"] else "-"
+        refused = "; ".join(f"{name}: {why.split(' (')[0]}" for name, why in r["refused"].items()) or "-"
         ppl = r["ppl_ratio"]
         lines.append(
             f"| {r['family']} | {r['config_class']} | {r['exporter']} | {refused} | {r['runtime_vs_pytorch']:.1e} | "

@@ -303,7 +303,9 @@ def run(cfg: ExportConfig, exporter: str, hf_dir: Path, out_dir: Path, trust_cod
         shutil.rmtree(graph_dir)
         atomic_write_json(tmp / RECORD_FILE, record)
     size = folder_bytes(out_dir)
-    log.info("wrote %s with %s (%.1f MB)", out_dir, record["exporter"], size / 1e6)
+    linked = sum(p.stat().st_size for p in out_dir.iterdir() if p.is_file() and p.stat().st_nlink > 1)
+    shown = f"{(size - linked) / 1e6:.1f} MB" + (f", and {linked / 1e6:.0f} MB of linked weights" if linked else "")
+    log.info("wrote %s with %s (%s)", out_dir, record["exporter"], shown)
     return ExportResult(out_dir, record["exporter"], arch.num_layers, megabytes(size))
 
 
