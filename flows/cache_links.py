@@ -52,6 +52,18 @@ def expected_hash(relative: str) -> str:
     return relative.replace("/", "").removesuffix(".dir")
 
 
+def disk_bytes(*paths: Path) -> int:
+    """Bytes on disk under paths, a file with several links counted once."""
+    seen, total = set(), 0
+    for root in paths:
+        for path in [root] if root.is_file() else root.rglob("*"):
+            info = path.lstat()
+            if path.is_file() and info.st_ino not in seen:
+                seen.add(info.st_ino)
+                total += info.st_blocks * 512
+    return total
+
+
 def linked_files(output: Path) -> list[Path]:
     """The output's files with a second link (possibly to a cache object)."""
     files = [output] if output.is_file() else [p for p in output.rglob("*") if p.is_file()]

@@ -54,7 +54,7 @@ def test_in_place_edit_is_detected_and_never_pushed(pushed):
     assert check_validated(variant)["passed"]
 
 
-def test_project_cache_links_workspace_files_where_it_cannot_reflink():
+def test_project_cache_links_workspace_files_to_cache_objects():
     link_types = [kind.strip() for kind in dvc(REPO, "config", "cache.type").stdout.strip().split(",")]
     # Never symlink; hard links only with flows/cache_links.py's check in front of every build.
-    assert link_types == ["reflink", "hardlink", "copy"]
+    assert link_types == ["hardlink", "copy"]
