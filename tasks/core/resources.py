@@ -88,7 +88,8 @@ class ModelSize:
 
 def runtime_needs(variant_dir: Path, logits_rows: int, what: str) -> Needs:
     """onnxruntime running a built variant: its weights (and their prepacked copies) and a window
-    of logits over its vocabulary (read from the variant's config.json)."""
+    of logits over its vocabulary (read from the variant's config.json), about seven times over as
+    the metrics compute on it."""
     import json
 
     weights = folder_bytes(variant_dir, "model.onnx*")
@@ -97,7 +98,7 @@ def runtime_needs(variant_dir: Path, logits_rows: int, what: str) -> Needs:
         vocab = int(config.get("vocab_size") or config.get("text_config", {}).get("vocab_size") or 0)
     except (OSError, ValueError):
         vocab = 0
-    logits = 4 * 4 * logits_rows * vocab
+    logits = 7 * 4 * logits_rows * vocab
     basis = f"{what}: the {amount(weights)} variant in onnxruntime"
     return Needs(RUNTIME_MEMORY + 2 * weights + logits, 0, basis)
 
