@@ -20,6 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks import scale  # noqa: E402
 from benchmarks.side_by_side import chain_table, table  # noqa: E402
 
 README = REPO / "README.md"
@@ -225,6 +226,11 @@ RENDERERS = {
     "report-gemma3-270m": lambda: report_table("gemma3-270m"),
     "summary-gemma3-270m": lambda: report_summary("gemma3-270m"),
     "architectures": architectures,
+    "scale-stages": lambda: scale.table(_json(RESULTS / "scale.json")),
+    "scale-peers": lambda: scale.peers_table(_json(RESULTS / "scale.json")),
+    "scale-disk": lambda: scale.disk_table(_json(RESULTS / "scale.json")),
+    "scale-runtime": lambda: scale.runtime_table(_json(RESULTS / "scale.json")),
+    "scale-goals": lambda: scale.goals(_json(RESULTS / "scale.json")),
     "side-by-side-short": side_by_side_short,
     "side-by-side-chain": side_by_side_chain,
     "side-by-side-goals": side_by_side_goals,
