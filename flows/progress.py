@@ -18,6 +18,7 @@ PROBLEM = re.compile(r"^(error: |ERROR: )")
 # stage the kernel killed (SIGKILL: the out-of-memory killer, unless someone ran kill -9).
 PREFLIGHT = re.compile(r"preflight: (\S+) needs about (.+?) of memory .*?; (.+?) of memory and")
 KILLED = re.compile(r"failed to reproduce '([^']+)'.*exited with -9")
+FAILED = re.compile(r"failed to reproduce '([^']+)'")
 MESSAGE_WIDTH = 150
 
 
@@ -27,6 +28,7 @@ class StageLines:
     def __init__(self, say):
         self.say, self.stage, self.started, self.message = say, None, 0.0, ""
         self.estimates: dict[str, tuple[str, str]] = {}  # stage -> (memory needed, memory available)
+        self.failed: list[str] = []  # stages that said an error, in order
 
     def line(self, text: str) -> None:
         from flows.dvc import STAGE_STARTED
@@ -43,8 +45,16 @@ class StageLines:
             self.message = message.group(1)
         elif (killed := KILLED.search(text)) is not None:
             self.say(self.killed(killed.group(1)))
+            self.fail(killed.group(1))
+        elif (failed := FAILED.search(text)) is not None and failed.group(1) in self.failed:
+            pass  # DVC repeating the error the stage has just said in its own words
         elif PROBLEM.match(text):
             self.say(text)
+            self.fail((failed.group(1) if failed else None) or self.stage)
+
+    def fail(self, stage: str | None) -> None:
+        if stage is not None and stage not in self.failed:
+            self.failed.append(stage)
 
     def killed(self, stage: str) -> str:
         """The line for a stage that died of SIGKILL: almost always the out-of-memory killer."""
@@ -57,7 +67,7 @@ class StageLines:
     def finish(self) -> None:
         if self.stage is not None:
             elapsed = time.perf_counter() - self.started
-            message = self.message or "done"
+            message = "failed" if self.stage in self.failed else self.message or "done"
             message = message if len(message) <= MESSAGE_WIDTH else message[: MESSAGE_WIDTH - 1] + "…"
             self.say(f"{self.stage}: {message} ({elapsed:.0f} s)")
             self.stage = None
@@ -97,6 +107,9 @@ def reproduce_with_progress(root: Path, targets: list[str] | None = None, *optio
         try:
             ran = reproduce(root, targets, *options, echo=follow)
         except DvcFailed as error:
+            stages.finish()
+            if stages.failed:  # the stage's own line has been said: name it, not DVC's echo of it
+                raise DvcFailed(f"the build stopped at {', '.join(stages.failed)} (full log: {log})") from None
             raise DvcFailed(f"{error} (full log: {log})") from None
         finally:
             stages.finish()

@@ -30,9 +30,26 @@ def test_one_line_per_stage_with_its_own_message_and_problems_as_they_come():
     assert [line.rsplit(" (", 1)[0] for line in said] == [
         "quantize@tiny-int4: quantize: int4 has 12 MatMulNBits, 1.2 MB",
         "error: validate: int4 failed ppl_ratio 1.9 > 1.07",
-        "validate@tiny-int4: done",
+        "validate@tiny-int4: failed",
     ]
     assert all(line.endswith(" s)") for line in said if "@" in line.split(":")[0])
+
+
+def test_a_refused_stage_is_one_line_and_said_to_have_failed():
+    said = []
+    stages = StageLines(said.append)
+    for line in [
+        "Running stage 'export@m':",
+        "error: export@m needs about 5.6 GB of memory (...); 1.8 GB are available: use a machine with more memory",
+        "ERROR: failed to reproduce 'export@m': failed to run: python -m tasks.export --model m, exited with 2",
+    ]:
+        stages.line(line)
+    stages.finish()
+    assert [line.rsplit(" (", 1)[0] for line in said] == [
+        "error: export@m needs about 5.6 GB of memory",
+        "export@m: failed",
+    ]
+    assert stages.failed == ["export@m"]
 
 
 def test_a_stage_killed_by_the_kernel_is_said_to_be_out_of_memory_with_its_estimate():
@@ -76,4 +93,4 @@ def test_a_failed_build_names_its_log(built_clone):  # noqa: F811
     assert result.returncode == 2
     assert "error: variant int4 failed validation: kl_divergence[GPL-3.txt]" in result.stderr  # as it came
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: ") and last.endswith(f"(full log: {built_clone / LOG})")
+    assert last == f"error: the build stopped at validate@tiny-int4 (full log: {built_clone / LOG})"
