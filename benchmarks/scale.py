@@ -69,8 +69,16 @@ def rusage_run(command: list[str], **options) -> dict:
     _, status, usage = os.wait4(process.pid, 0)
     process.returncode = os.waitstatus_to_exitcode(status)
     if process.returncode != 0:
-        raise RuntimeError(f"{' '.join(command[:4])} failed ({process.returncode}): {output[-2000:]}")
+        raise RuntimeError(f"{' '.join(command[:4])} exited with {process.returncode}: {failure_reason(output)}")
     return {"seconds": round(time.perf_counter() - started, 1), "peak_rss_bytes": usage.ru_maxrss * 1024}
+
+
+def failure_reason(output: str) -> str:
+    """The line of a tool's output that says why it failed: its last error, else its last line
+    with words (progress tables and bars say nothing)."""
+    lines = [line.strip() for line in output.splitlines() if any(c.isalpha() for c in line)]
+    errors = [line for line in lines if "error" in line.lower() or "killed" in line.lower()]
+    return (errors or lines or ["no output"])[-1][:300]
 
 
 def measured_on() -> dict:
@@ -177,7 +185,7 @@ def peer_figures(peer: str, run_peer, source: Path) -> dict:
     try:
         return run_peer()
     except RuntimeError as error:  # killed by the kernel, or the tool failed on this model
-        return {"failed": str(error).splitlines()[0][:300]}
+        return {"failed": str(error)}
 
 
 def genai_build(source: Path, out: Path) -> dict:
@@ -270,7 +278,12 @@ def runtime(folder: Path, name: str, genai_dir: Path, openvino: tuple[Path, Path
 
 # ---- what the results say: tables, goals, a plot (scripts/readme_figures.py fills the README from them)
 
-STAGE_ORDER = ("download", "export", "optimize", "reference", "quantize", "validate", "bench")
+STAGE_ORDER = ("download", "export", "optimize", "reference", "quantize", "validate", "bench", "report")
+
+
+def by_size(report: dict) -> list[tuple[str, dict]]:
+    """The models, smallest first (a --merge run appends sizes in any order)."""
+    return sorted(report["models"].items(), key=lambda item: item[1]["parameters"])
 
 
 def stage_costs(entry: dict) -> dict[str, dict]:
@@ -293,7 +306,7 @@ def table(report: dict) -> str:
         "| model (random weights) | parameters | stage | wall s | peak memory GB | estimate GB |",
         "|---|---|---|---|---|---|",
     ]
-    for name, entry in report["models"].items():
+    for name, entry in by_size(report):
         for index, (stage, record) in enumerate(stage_costs(entry).items()):
             first = f"{name}{' (export + int4 only)' if entry['export_only'] else ''}" if index == 0 else ""
             params = f"{entry['parameters'] / 1e9:.2f}B" if index == 0 else ""
@@ -327,7 +340,7 @@ def peers_table(report: dict) -> str:
             return f"not run: {figures['skipped']}" if "skipped" in figures else f"failed: {figures['failed']}"
         return f"{figures['seconds']:.0f} s, {_gb(figures['peak_rss_bytes'])} GB"
 
-    for name, entry in report["models"].items():
+    for name, entry in by_size(report):
         ours, peers = export_and_int4(entry), entry["peers"]
         int8 = stage_costs(entry).get("quantize int8")
         genai = peers.get("genai int4")
@@ -344,7 +357,7 @@ def disk_table(report: dict) -> str:
         "| model | workspace + DVC cache GB | artifacts (int4 + int8) GB | checkpoint GB | ratio |",
         "|---|---|---|---|---|",
     ]
-    for name, entry in report["models"].items():
+    for name, entry in by_size(report):
         disk = entry["ortforge"]["disk"]
         base = disk["artifacts_bytes"] + disk["checkpoint_bytes"]
         lines.append(
@@ -385,7 +398,7 @@ def runtime_table(report: dict) -> str:
         f"| first token ms | {STREAMS} streams aggregate tok/s |",
         "|---|---|---|---|",
     ]
-    for name, entry in report["models"].items():
+    for name, entry in by_size(report):
         if "runtime" not in entry:
             continue
         for engine, row in runtime_summary(entry["runtime"]).items():
@@ -396,7 +409,7 @@ def runtime_table(report: dict) -> str:
 
 def goals(report: dict) -> str:
     """The issue's goals, each against the figure that judges it, met or not."""
-    models, lines = report["models"], []
+    models, lines = dict(by_size(report)), []
 
     def verdict(ok: bool) -> str:
         return "met" if ok else "**not met**"
@@ -443,6 +456,8 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(1, 2, figsize=(13, 5))
+    for axis in axes:  # eleven stages: ten default colors would repeat one
+        axis.set_prop_cycle(color=plt.cm.tab20.colors)
     entries = sorted(report["models"].values(), key=lambda e: e["parameters"])
     stages = sorted(
         {stage for e in entries for stage in stage_costs(e)}, key=lambda s: (STAGE_ORDER.index(s.split()[0]), s)
@@ -455,7 +470,8 @@ def plot(report: dict, path: Path) -> None:
     for peer in sorted({peer for e in entries for peer in e["peers"]}):
         points = [(e["parameters"] / 1e9, e["peers"][peer]) for e in entries if "seconds" in e["peers"].get(peer, {})]
         x = [p for p, _ in points]
-        style = {"linestyle": "--", "marker": "s", "color": "black" if "genai" in peer else "grey"}
+        style = {"linestyle": ":" if "int8" in peer else "--", "marker": "s"}
+        style["color"] = "black" if "genai" in peer else "grey"
         axes[0].plot(x, [r["peak_rss_bytes"] / GB for _, r in points], label=peer, **style)
         axes[1].plot(x, [r["seconds"] for _, r in points], label=peer, **style)
     axes[0].set_ylabel("peak resident memory, GB")
