@@ -5,7 +5,9 @@ quantizer, transformers' notices) in a log file whose path is printed first."""
 
 from __future__ import annotations
 
+import functools
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -25,8 +27,9 @@ MESSAGE_WIDTH = 150
 class StageLines:
     """Follows DVC's output: which stage runs, since when, and its latest message."""
 
-    def __init__(self, say):
-        self.say, self.stage, self.started, self.message = say, None, 0.0, ""
+    def __init__(self, say, warn=None):
+        # say: a stage's line; warn: a problem's line (stderr, where a script looks for why it failed)
+        self.say, self.warn, self.stage, self.started, self.message = say, warn or say, None, 0.0, ""
         self.estimates: dict[str, tuple[str, str]] = {}  # stage -> (memory needed, memory available)
         self.failed: list[str] = []  # stages that said an error, in order
 
@@ -44,12 +47,12 @@ class StageLines:
         if message:
             self.message = message.group(1)
         elif (killed := KILLED.search(text)) is not None:
-            self.say(self.killed(killed.group(1)))
+            self.warn(self.killed(killed.group(1)))
             self.fail(killed.group(1))
         elif (failed := FAILED.search(text)) is not None and failed.group(1) in self.failed:
             pass  # DVC repeating the error the stage has just said in its own words
         elif PROBLEM.match(text):
-            self.say(text)
+            self.warn(text)
             self.fail((failed.group(1) if failed else None) or self.stage)
 
     def fail(self, stage: str | None) -> None:
@@ -92,7 +95,7 @@ def reproduce_with_progress(root: Path, targets: list[str] | None = None, *optio
         tqdm(total=total, unit="stage", dynamic_ncols=True, disable=None) as bar,
     ):
         bar.write(f"full log: {log}")
-        stages = StageLines(bar.write)
+        stages = StageLines(bar.write, functools.partial(bar.write, file=sys.stderr))
 
         def follow(text: str) -> None:
             handle.write(text + "\n")
