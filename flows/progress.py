@@ -110,7 +110,6 @@ def reproduce_with_progress(root: Path, targets: list[str] | None = None, *optio
         try:
             ran = reproduce(root, targets, *options, echo=follow)
         except DvcFailed as error:
-            stages.finish()
             if stages.failed:  # the stage's own line has been said: name it, not DVC's echo of it
                 raise DvcFailed(f"the build stopped at {', '.join(stages.failed)} (full log: {log})") from None
             raise DvcFailed(f"{error} (full log: {log})") from None
