@@ -25,13 +25,37 @@ from pathlib import Path
 
 import numpy as np
 
+
 # The published config.json of each model (Hugging Face Hub, Dec 2026), trimmed of generation-only keys.
-LLAMA3_ROPE = {
-    "factor": 32.0,
-    "high_freq_factor": 4.0,
-    "low_freq_factor": 1.0,
-    "original_max_position_embeddings": 8192,
-}
+def llama3(hidden: int, ffn: int, layers: int, heads: int, head_dim: int, tied: bool, rope_factor: float) -> dict:
+    """A Llama 3.x config.json: the family's shared keys and one size's dimensions."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": ffn,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": 8,
+        "head_dim": head_dim,
+        "max_position_embeddings": 131072,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "factor": rope_factor,
+            "high_freq_factor": 4.0,
+            "low_freq_factor": 1.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
+        "rms_norm_eps": 1e-05,
+        "tie_word_embeddings": tied,
+        "vocab_size": 128256,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+    }
+
+
 CONFIGS: dict[str, dict] = {
     "qwen2.5-0.5b": {
         "architectures": ["Qwen2ForCausalLM"],
@@ -51,63 +75,9 @@ CONFIGS: dict[str, dict] = {
         "vocab_size": 151936,
         "hidden_act": "silu",
     },
-    "llama-3.2-1b": {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 2048,
-        "intermediate_size": 8192,
-        "num_hidden_layers": 16,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "head_dim": 64,
-        "max_position_embeddings": 131072,
-        "rope_theta": 500000.0,
-        "rope_scaling": {**LLAMA3_ROPE, "rope_type": "llama3"},
-        "rms_norm_eps": 1e-05,
-        "tie_word_embeddings": True,
-        "vocab_size": 128256,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-    },
-    "llama-3.2-3b": {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 3072,
-        "intermediate_size": 8192,
-        "num_hidden_layers": 28,
-        "num_attention_heads": 24,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "max_position_embeddings": 131072,
-        "rope_theta": 500000.0,
-        "rope_scaling": {**LLAMA3_ROPE, "rope_type": "llama3"},
-        "rms_norm_eps": 1e-05,
-        "tie_word_embeddings": True,
-        "vocab_size": 128256,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-    },
-    "llama-3.1-8b": {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 4096,
-        "intermediate_size": 14336,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "max_position_embeddings": 131072,
-        "rope_theta": 500000.0,
-        "rope_scaling": {**LLAMA3_ROPE, "factor": 8.0, "rope_type": "llama3"},
-        "rms_norm_eps": 1e-05,
-        "tie_word_embeddings": False,
-        "vocab_size": 128256,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-    },
+    "llama-3.2-1b": llama3(hidden=2048, ffn=8192, layers=16, heads=32, head_dim=64, tied=True, rope_factor=32.0),
+    "llama-3.2-3b": llama3(hidden=3072, ffn=8192, layers=28, heads=24, head_dim=128, tied=True, rope_factor=32.0),
+    "llama-3.1-8b": llama3(hidden=4096, ffn=14336, layers=32, heads=32, head_dim=128, tied=False, rope_factor=8.0),
 }
 SHARD_BYTES = 5_000_000_000
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
