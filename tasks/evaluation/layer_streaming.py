@@ -1,4 +1,5 @@
-"""A PyTorch model whose decoder layers are read from the checkpoint as they run, in float32.
+"""A PyTorch model whose decoder layers are read from the checkpoint as they run, in float32
+(or bfloat16, for calibration on a CPU that multiplies it natively).
 
 transformers builds the model's modules without weights (on the meta device); the embedding, final
 norm and output layer are read at once, and each decoder layer's weights are read (and bfloat16
@@ -52,8 +53,8 @@ def subset_config(config, layers: list[int]):
 class LayerStreamer:
     """Loads each decoder layer's parameters before it runs and releases them after."""
 
-    def __init__(self, checkpoint: Checkpoint, prefix: str, sources: list[int]):
-        self.checkpoint, self.prefix, self.sources = checkpoint, prefix, sources
+    def __init__(self, checkpoint: Checkpoint, prefix: str, sources: list[int], dtype):
+        self.checkpoint, self.prefix, self.sources, self.dtype = checkpoint, prefix, sources, dtype
 
     def source_name(self, index: int, name: str) -> str:
         return f"{self.prefix}.{self.sources[index]}.{name}"
@@ -65,17 +66,27 @@ class LayerStreamer:
 
     def load(self, index: int, layer) -> None:
         for name, _ in list(layer.named_parameters()):
-            set_parameter(layer, name, self.checkpoint.read(self.source_name(index, name)))
+            set_parameter(layer, name, read_tensor(self.checkpoint, self.source_name(index, name), self.dtype))
 
 
-def set_parameter(root, dotted: str, values: np.ndarray | None, shape: tuple[int, ...] | None = None) -> None:
-    """Replace the parameter `dotted` under root with values (float32), or with an empty meta
-    tensor of the given shape when values is None."""
+def read_tensor(checkpoint: Checkpoint, name: str, dtype):
+    """The checkpoint's tensor as a torch tensor of dtype (float32 or bfloat16); a stored bfloat16
+    read as bfloat16 is not copied again."""
+    import torch
+
+    if dtype == torch.bfloat16 and checkpoint.stored(name).dtype == "BF16":
+        return torch.from_numpy(checkpoint.raw(name).view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(checkpoint.read(name)).to(dtype)
+
+
+def set_parameter(root, dotted: str, tensor, shape: tuple[int, ...] | None = None) -> None:
+    """Replace the parameter `dotted` under root with tensor, or with an empty meta tensor of the
+    given shape when tensor is None."""
     import torch
 
     owner_name, _, leaf = dotted.rpartition(".")
     owner = root.get_submodule(owner_name) if owner_name else root
-    tensor = torch.from_numpy(values) if values is not None else torch.empty(shape, device="meta")
+    tensor = tensor if tensor is not None else torch.empty(shape, device="meta")
     owner._parameters[leaf] = torch.nn.Parameter(tensor, requires_grad=False)
 
 
@@ -85,10 +96,16 @@ def release(layer) -> None:
 
 
 def streamed_model(
-    hf_dir: Path, attention: str | None, layers: list[int] | None = None, trust_remote_code: bool = False
+    hf_dir: Path,
+    attention: str | None,
+    layers: list[int] | None = None,
+    trust_remote_code: bool = False,
+    dtype: str = "float32",
 ):
     """The model in hf_dir with its decoder layers read from the checkpoint as they run."""
     import torch
+
+    dtype = getattr(torch, dtype)
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -100,11 +117,9 @@ def streamed_model(
         config = subset_config(config, chosen)
     options = {"attn_implementation": attention} if attention else {}
     with init_empty_weights(include_buffers=False):  # buffers (rotary frequencies) are computed as usual
-        model = AutoModelForCausalLM.from_config(
-            config, dtype=torch.float32, trust_remote_code=trust_remote_code, **options
-        )
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code, **options)
     prefix, blocks = decoder_layers(model, len(chosen))
-    streamer = LayerStreamer(checkpoint, prefix, chosen)
+    streamer = LayerStreamer(checkpoint, prefix, chosen, dtype)
     # A tied output layer is absent from the checkpoint; tie_weights() points it at the embedding.
     tied = (
         set(getattr(model, "_tied_weights_keys", None) or []) if config.get_text_config().tie_word_embeddings else set()
@@ -114,7 +129,7 @@ def streamed_model(
         if name.startswith(prefix + "."):
             continue
         if name in checkpoint:
-            set_parameter(model, name, checkpoint.read(name))
+            set_parameter(model, name, read_tensor(checkpoint, name, dtype))
         elif name not in tied:
             missing.append(name)
     if missing:

@@ -21,9 +21,10 @@ def load_causal_lm(
     layers: list[int] | None = None,
     resident_bytes: int = RESIDENT_BYTES,
     trust_remote_code: bool = False,
+    dtype: str = "float32",
 ):
-    """The model in float32: loaded whole when it fits resident_bytes (and all layers are asked
-    for), else with its decoder layers streamed from the checkpoint."""
+    """The model in float32 (or dtype): loaded whole when it fits resident_bytes (and all layers
+    are asked for), else with its decoder layers streamed from the checkpoint."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -33,9 +34,9 @@ def load_causal_lm(
     if layers is None and Checkpoint(hf_dir).float32_bytes() <= resident_bytes:
         options = {"attn_implementation": attention} if attention else {}
         return AutoModelForCausalLM.from_pretrained(
-            hf_dir, dtype=torch.float32, trust_remote_code=trust_remote_code, **options
+            hf_dir, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code, **options
         ).eval()
-    return streamed_model(hf_dir, attention, layers, trust_remote_code)
+    return streamed_model(hf_dir, attention, layers, trust_remote_code, dtype)
 
 
 def torch_needs(size: resources.ModelSize, logits_rows: int) -> resources.Needs:

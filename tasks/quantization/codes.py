@@ -1,4 +1,4 @@
-"""Block codes of a weight matrix, in numpy: W [K, N] as codes q [N, K] with a scale and a zero
+"""Block codes of a weight matrix: W [K, N] as codes q [N, K] with a scale and a zero
 point per block of K (w = s * (q - z)), from round-to-nearest, an importance-weighted range search
 (imatrix), onnxruntime's HQQ solver or onnxruntime's GPTQ; and the byte layouts MatMulNBits and
 GatherBlockQuantized read.
@@ -6,12 +6,17 @@ GatherBlockQuantized read.
 Scales are kept as float16 (the graph stores them so), and codes are computed against the
 rounded scales. A float zero point z becomes the integer round(z) plus a per-block remainder
 R = s * (round(z) - z) carried as extra rows of codes (offset_rows): x.W = x.W_int + blocksum(x).R.
+
+Round-to-nearest and the range search are one compiled kernel (numba), a single pass over each
+block whatever the number of ranges it tries.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 
 MIN_BLOCK = 16  # MatMulNBits' smallest block
@@ -38,122 +43,121 @@ class BlockCodes:
         return 2 ** (self.bits - 1)
 
 
-def _blocks(weights: np.ndarray, block: int) -> np.ndarray:
-    """[K, N] -> [N, K // block, block] in float64."""
-    k, n = weights.shape
-    return weights.T.reshape(n, k // block, block).astype(np.float64)
+MODES = {"none": 0, "integer": 1, "float": 2}  # zero-point conventions, as the kernel takes them
+SEARCH_STEPS = 20  # shrinks of the range tried per block, from 1.0 down to 0.7
 
 
-def _codes(blocks: np.ndarray, scales: np.ndarray, zeros: np.ndarray, bits: int) -> np.ndarray:
-    q = np.round(blocks / scales[..., None] + zeros[..., None])
-    return np.clip(q, 0, 2**bits - 1).astype(np.uint8).reshape(blocks.shape[0], -1)
+@numba.njit(inline="always")
+def _half(x: float) -> float:
+    """x rounded to the nearest float16 (ties to even), as numpy's float64 -> float16 does it."""
+    magnitude = abs(x)
+    if magnitude >= 65520.0:
+        return math.copysign(math.inf, x)
+    if magnitude < 2.0**-14:  # float16's subnormals: multiples of 2^-24
+        return math.copysign(np.rint(magnitude * 2.0**24) * 2.0**-24, x)
+    mantissa, exponent = math.frexp(magnitude)  # magnitude = mantissa * 2^exponent, mantissa in [0.5, 1)
+    return math.copysign(math.ldexp(np.rint(math.ldexp(mantissa, 11)), exponent - 11), x)
 
 
-def _grid_fit(lo: np.ndarray, hi: np.ndarray, bits: int, zero_point: str) -> tuple[np.ndarray, np.ndarray]:
-    """Scales and zero points that put [lo, hi] on the grid.
+@numba.njit(inline="always")
+def _grid_fit(lo: float, hi: float, bits: int, mode: int) -> tuple[float, float]:
+    """The scale and zero point that put [lo, hi] on the grid (the scale before float16 rounding).
 
     none: onnxruntime's symmetric convention, the largest magnitude maps to -mid exactly;
     integer: the range widened to hold zero, zero point rounded; float: the range exactly.
     """
     levels = 2**bits - 1
-    if zero_point == "none":
-        signed_max = np.where(-lo > hi, lo, hi)
-        scales = np.where(signed_max != 0, signed_max / -(2 ** (bits - 1)), 1.0)
-        return scales, np.full_like(scales, 2 ** (bits - 1))
-    if zero_point == "integer":
-        lo, hi = np.minimum(lo, 0), np.maximum(hi, 0)  # zero must be representable
-        scales = np.where(hi > lo, (hi - lo) / levels, 1.0)
-        return scales, np.clip(np.round(-lo / scales), 0, levels)
-    scales = np.where(hi > lo, (hi - lo) / levels, 1.0)
-    return scales, -lo / scales
+    if mode == 0:
+        signed_max = lo if -lo > hi else hi
+        return (signed_max / -(2 ** (bits - 1)) if signed_max != 0 else 1.0), float(2 ** (bits - 1))
+    if mode == 1:
+        lo, hi = min(lo, 0.0), max(hi, 0.0)  # zero must be representable
+        scale = (hi - lo) / levels if hi > lo else 1.0
+        return scale, min(max(np.rint(-lo / scale), 0.0), float(levels))
+    scale = (hi - lo) / levels if hi > lo else 1.0
+    return scale, -lo / scale
 
 
-COLUMNS = 4096  # weight columns processed at a time: float64 copies of a vocabulary matrix are GBs
+@numba.njit(inline="always")  # inlined: a call per block and range would cost more than its work
+def _weighted_error(block, importance, scale: float, zero: float, top: float) -> float:
+    """sum(importance_k * (w_k - dequantized q_k)^2) over one block, in float32."""
+    s, z, q_max = np.float32(scale), np.float32(zero), np.float32(top)
+    total = np.float32(0.0)
+    for k in range(block.shape[0]):
+        q = min(max(np.rint(block[k] / s + z), np.float32(0.0)), q_max)
+        error = (q - z) * s - block[k]
+        total += importance[k] * error * error
+    return total
 
 
-def _by_columns(weights: np.ndarray, quantize) -> BlockCodes:
-    """quantize(columns) over slices of COLUMNS columns, joined: the same codes, bounded memory."""
-    parts = [quantize(weights[:, start : start + COLUMNS]) for start in range(0, weights.shape[1], COLUMNS)]
-    if len(parts) == 1:
-        return parts[0]
-    return BlockCodes(
-        np.concatenate([p.codes for p in parts]),
-        np.concatenate([p.scales for p in parts]),
-        np.concatenate([p.zeros for p in parts]),
-        parts[0].bits,
-        parts[0].block,
-    )
+TILE = 16  # columns read together: one 64-byte line of float32 per weight row
+
+
+# reassoc lets the error sums vectorize; nothing else in the kernel has an order to change.
+@numba.njit(cache=True, parallel=True, fastmath={"reassoc"})
+def _fit(weights, importance, shrinks, bits: int, mode: int, size: int):
+    """Per block of `size` rows of each column of W [K, N]: of the ranges [lo, hi] * shrink, the one
+    whose codes have the least importance-weighted error (the only one when shrinks has one), its
+    float16-rounded scale, its zero point, and the codes against them (in float64)."""
+    k, n = weights.shape
+    count, top = k // size, float(2**bits - 1)
+    codes = np.empty((n, k), np.uint8)
+    scales = np.empty((n, count), np.float32)
+    zeros = np.empty((n, count), np.float64)
+    for tile in numba.prange((n + TILE - 1) // TILE):
+        first = tile * TILE
+        width = min(TILE, n - first)
+        blocks = np.empty((TILE, size), weights.dtype)  # a tile's blocks, each contiguous
+        for j in range(count):
+            for r in range(size):
+                for c in range(width):
+                    blocks[c, r] = weights[j * size + r, first + c]
+            for c in range(width):
+                block = blocks[c]
+                lo, hi = float(block.min()), float(block.max())
+                best, best_scale, best_zero = np.inf, 1.0, 0.0
+                for shrink in shrinks:
+                    scale, zero = _grid_fit(lo * shrink, hi * shrink, bits, mode)
+                    scale = _half(scale)  # stored as float16: quantize against that
+                    error = 0.0
+                    if len(shrinks) > 1:
+                        error = _weighted_error(block, importance[j * size : (j + 1) * size], scale, zero, top)
+                    if error < best:
+                        best, best_scale, best_zero = error, scale, zero
+                for r in range(size):
+                    q = np.rint(float(block[r]) / best_scale + best_zero)
+                    codes[first + c, j * size + r] = np.uint8(min(max(q, 0.0), top))
+                scales[first + c, j], zeros[first + c, j] = best_scale, best_zero
+    return codes, scales, zeros
+
+
+def _fitted(weights: np.ndarray, importance: np.ndarray | None, bits: int, block: int, zero_point: str, steps: int):
+    k = weights.shape[0]
+    if k % block:
+        raise ValueError(f"{k} rows are not a whole number of blocks of {block}")
+    shrinks = np.linspace(1.0, 0.7, steps + 1)
+    weighting = np.ones(k, np.float32) if importance is None else np.asarray(importance, dtype=np.float32)
+    if weights.dtype not in (np.float32, np.float64):
+        weights = weights.astype(np.float32)
+    codes, scales, zeros = _fit(weights, weighting, shrinks, bits, MODES[zero_point], block)
+    return BlockCodes(codes, scales, zeros, bits, block)
 
 
 def round_to_nearest(weights: np.ndarray, bits: int, block: int, zero_point: str) -> BlockCodes:
     """Min/max round-to-nearest. zero_point: none (symmetric), integer, or float (exact range)."""
-
-    def columns(part: np.ndarray) -> BlockCodes:
-        blocks = _blocks(part, block)
-        scales, zeros = _grid_fit(blocks.min(-1), blocks.max(-1), bits, zero_point)
-        scales = scales.astype(np.float16).astype(np.float64)  # stored as float16; quantize against that
-        return BlockCodes(_codes(blocks, scales, zeros, bits), scales.astype(np.float32), zeros, bits, block)
-
-    return _by_columns(weights, columns)
-
-
-SEARCH_COLUMNS = 256  # columns per slice of the range search: its 21 passes stay in the CPU's cache
+    return _fitted(weights, None, bits, block, zero_point, steps=0)
 
 
 def importance_search(
-    weights: np.ndarray, importance: np.ndarray, bits: int, block: int, zero_point: str, steps: int = 20
+    weights: np.ndarray, importance: np.ndarray, bits: int, block: int, zero_point: str, steps: int = SEARCH_STEPS
 ) -> BlockCodes:
     """Per block, shrink the quantization range to minimize sum(importance_k * (w_k - q_k)^2).
 
     importance is the mean squared activation of each input channel on calibration text (llama.cpp's
-    "importance matrix"): errors on channels that carry large activations cost more. Errors are
-    computed in float32 over slices of columns small enough to stay in cache, two slices at a time
-    (numpy releases the GIL inside its loops): 9x faster than whole-matrix float64 passes, with the
-    same choice on all but about one block in 10^5 (a near tie)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    k, n = weights.shape
-    shrinks = np.linspace(1.0, 0.7, steps + 1)
-    h = np.asarray(importance, dtype=np.float32).reshape(1, k // block, block)
-    starts = range(0, n, SEARCH_COLUMNS)
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        parts = list(
-            pool.map(
-                lambda start: _search(weights[:, start : start + SEARCH_COLUMNS], h, bits, block, zero_point, shrinks),
-                starts,
-            )
-        )
-    return BlockCodes(
-        np.concatenate([p.codes for p in parts]),
-        np.concatenate([p.scales for p in parts]),
-        np.concatenate([p.zeros for p in parts]),
-        bits,
-        block,
-    )
-
-
-def _search(weights: np.ndarray, h: np.ndarray, bits: int, block: int, zero_point: str, shrinks) -> BlockCodes:
-    """importance_search on a slice of columns: the best range per block, then its codes."""
-    k, n = weights.shape
-    blocks = np.ascontiguousarray(weights.T, dtype=np.float32).reshape(n, k // block, block)
-    lo0, hi0 = blocks.min(-1).astype(np.float64), blocks.max(-1).astype(np.float64)
-    best = np.full(lo0.shape, np.inf)
-    best_scales, best_zeros = np.ones(lo0.shape), np.zeros(lo0.shape)
-    for shrink in shrinks:
-        scales, zeros = _grid_fit(lo0 * shrink, hi0 * shrink, bits, zero_point)
-        scales = scales.astype(np.float16).astype(np.float64)  # stored as float16; quantize against that
-        s, z = scales.astype(np.float32)[..., None], zeros.astype(np.float32)[..., None]
-        q = np.clip(np.round(blocks / s + z), 0, 2**bits - 1)
-        error = q - z
-        error *= s
-        error -= blocks
-        error = (h * error * error).sum(-1)
-        better = error < best
-        best = np.where(better, error, best)
-        best_scales, best_zeros = np.where(better, scales, best_scales), np.where(better, zeros, best_zeros)
-    s, z = best_scales.astype(np.float32)[..., None], best_zeros.astype(np.float32)[..., None]
-    codes = np.clip(np.round(blocks / s + z), 0, 2**bits - 1).astype(np.uint8).reshape(n, k)
-    return BlockCodes(codes, best_scales.astype(np.float32), best_zeros, bits, block)
+    "importance matrix"): errors on channels that carry large activations cost more. Compiled, the
+    search of every linear of Llama 3.2 1B's shape takes 16 s here; as numpy passes over whole
+    arrays it took 49 s, half of the int4 stage."""
+    return _fitted(weights, importance, bits, block, zero_point, steps)
 
 
 def half_quadratic(weights: np.ndarray, bits: int, block: int) -> BlockCodes:
