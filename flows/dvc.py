@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from tasks.core.lifetime import die_with_parent
+from tasks.core.lifetime import BUILD_PID_ENV, die_with_parent
 
 STAGE_STARTED = re.compile(r"Running stage '([^']+)'")
 # What DVC prints when another DVC process holds the repository or a stage's outputs.
@@ -76,7 +76,7 @@ def dvc(root: Path, *args: str, echo: bool | Callable[[str], object] = True) -> 
     with subprocess.Popen(
         [sys.executable, "-m", "dvc", *args],
         cwd=root,
-        env={**os.environ, "PATH": path},
+        env={**os.environ, "PATH": path, BUILD_PID_ENV: str(os.getpid())},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

@@ -15,11 +15,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tasks.core.errors import StageError
-from tasks.core.lifetime import die_with_parent
+from tasks.core.lifetime import die_with_parent, running_as_stage_command
 
 if TYPE_CHECKING:
     from tasks.core.params import Params
     from tasks.core.resources import Needs
+
+# A stage run by DVC ends with the `dvc repro` that started it. Asked for while the stage module is
+# still importing, before its heavy imports (numba, onnx, torch): a build killed during them would
+# otherwise orphan the stage before it asked, and it would run on (tests/test_faults.py).
+if running_as_stage_command():
+    die_with_parent()
 
 __all__ = ["StageError", "StageArgs", "stage_cli"]
 
