@@ -7,7 +7,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from ortforge.names import MANIFEST_FILE, VALIDATION_SUFFIX
+from ortforge.names import MANIFEST_FILE, RUNTIME_SUFFIX, VALIDATION_SUFFIX
 
 CHUNK = 1 << 20
 
@@ -54,6 +54,12 @@ def validation_stamp(folder: Path) -> Path:
     variant folder itself stays exactly what quantize wrote."""
     folder = Path(folder)
     return folder.with_name(folder.name + VALIDATION_SUFFIX)
+
+
+def runtime_config(model_dir: Path) -> Path:
+    """Where an artifact's tuned settings live: beside its folder, like its validation stamp."""
+    model_dir = Path(model_dir)
+    return model_dir.with_name(model_dir.name + RUNTIME_SUFFIX)
 
 
 def check_validated(folder: Path, verify_files: bool = True) -> dict:

@@ -15,7 +15,8 @@ from pathlib import Path
 import onnxruntime as ort
 
 from ortforge import machine
-from ortforge.names import MODEL_FILE, RUNTIME_SUFFIX
+from ortforge.manifest import runtime_config
+from ortforge.names import MODEL_FILE
 
 log = logging.getLogger(__name__)
 
@@ -87,12 +88,6 @@ class SessionSettings:
         options.enable_cpu_mem_arena = self.enable_cpu_mem_arena
         options.log_severity_level = 3  # warnings about unused initializers are noise for users
         return options
-
-
-def runtime_config(model_dir: Path) -> Path:
-    """Where an artifact's tuned settings live: beside its folder, like its validation stamp."""
-    model_dir = Path(model_dir)
-    return model_dir.with_name(model_dir.name + RUNTIME_SUFFIX)
 
 
 def create_session(model_dir: Path, settings: SessionSettings | None = None) -> ort.InferenceSession:

@@ -128,6 +128,44 @@ def test_tools_are_read_from_the_code(tmp_path):
     assert set(after) - set(before) >= {"onnxruntime-genai"}
 
 
+def test_package_files_hold_nothing_but_a_docstring():
+    """The one exemption from a stage's code deps (imports.is_package_file) shapes nothing."""
+    import ast
+
+    for path in sorted((REPO / "tasks").rglob("__init__.py")):
+        body = ast.parse(path.read_text(encoding="utf-8")).body
+        assert all(isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) for node in body), path
+
+
+def test_core_modules_are_in_every_stage_key(dvc_stages):
+    """tasks/core/ writes every JSON (files.py), the manifest's versions and the params' defaults:
+    an edit there reruns the stages."""
+    for stage in dvc_stages:
+        assert {"tasks/core/files.py", "tasks/core/params.py", "tasks/core/stage.py"} <= code_deps(stage)
+
+
+@pytest.mark.parametrize("distribution", sorted(imports.UNDECLARED))
+def test_undeclared_tool_imports_are_still_there(distribution):
+    """Each tool imports.UNDECLARED adds is imported by the distribution's installed code."""
+    import importlib.metadata
+    import re
+
+    for tool in imports.UNDECLARED[distribution]:
+        module = next(m for m, dists in imports._providers().items() if imports.normalized(tool) in dists)
+        pattern = re.compile(rf"^\s*(import|from)\s+{module}\b", re.MULTILINE)
+        files = [f for f in importlib.metadata.files(distribution) or [] if f.suffix == ".py"]
+        assert any(pattern.search(Path(f.locate()).read_text(encoding="utf-8", errors="replace")) for f in files)
+
+
+def test_onnx_ir_is_in_the_key_of_every_stage_that_reaches_onnxruntime(dvc_stages):
+    from tasks.core.versions import load_pins, stage_tools
+
+    pins = load_pins(REPO / "versions.yaml")
+    for stage in {split_address(s)[0] for s in dvc_stages}:
+        tools = stage_tools(stage, pins)
+        assert ("onnxruntime" in tools) <= ("onnx-ir" in tools), stage
+
+
 def test_flow_targets_name_real_stages(dvc_stages):
     source = (REPO / "flows" / "build.py").read_text(encoding="utf-8")
     for target in ("download", "report"):

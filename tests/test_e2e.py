@@ -62,6 +62,14 @@ def test_tool_upgrade_invalidates_exactly_the_stages_using_it(project):
     )
 
 
+def test_an_edit_in_tasks_core_makes_every_stage_stale(project):
+    """tasks/core/files.py writes every stage's JSON: it is in every stage's key."""
+    dvc_repro(project)
+    files = project / "tasks" / "core" / "files.py"
+    files.write_text(files.read_text() + "\n# edited\n")
+    assert set(json.loads(dvc(project, "status", "--json").stdout)) == ALL_STAGES
+
+
 def test_genai_builder_upgrade_makes_exactly_export_and_what_follows_it_stale(project):
     from flows.dvc import planned_stages
 

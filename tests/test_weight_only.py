@@ -73,6 +73,70 @@ def test_round_to_nearest_error_is_within_half_a_step(zero_point, bits):
     assert codes.codes.max() < 2**bits
 
 
+def test_scales_are_rounded_to_float16_as_numpy_rounds_them():
+    rng = np.random.default_rng(3)
+    values = rng.standard_normal(20_000) * 10.0 ** rng.integers(-9, 5, 20_000)
+    edges = [65504.0, 65519.99, 65520.0, 2.0**-14, 2.0**-24, 2.0**-25, 3 * 2.0**-25, 1 + 2.0**-11, 0.0]
+    values = np.concatenate([values, edges, np.negative(edges)])
+    with np.errstate(over="ignore"):
+        expected = values.astype(np.float16).astype(np.float64)
+    assert [block_codes._half(float(v)) for v in values] == expected.tolist()
+
+
+def reference_round_to_nearest(weights: np.ndarray, bits: int, block: int, zero_point: str):
+    """Min/max round-to-nearest written plainly in numpy, float64 throughout."""
+    k, n = weights.shape
+    blocks = weights.T.reshape(n, k // block, block).astype(np.float64)
+    lo, hi, levels = blocks.min(-1), blocks.max(-1), 2**bits - 1
+    if zero_point == "none":
+        signed_max = np.where(-lo > hi, lo, hi)
+        scales = np.where(signed_max != 0, signed_max / -(2 ** (bits - 1)), 1.0)
+        zeros = np.full(lo.shape, 2.0 ** (bits - 1))
+    else:
+        if zero_point == "integer":
+            lo, hi = np.minimum(lo, 0), np.maximum(hi, 0)
+        scales = np.where(hi > lo, (hi - lo) / levels, 1.0)
+        zeros = np.clip(np.round(-lo / scales), 0, levels) if zero_point == "integer" else -lo / scales
+    scales = scales.astype(np.float16).astype(np.float64)
+    codes = np.clip(np.round(blocks / scales[..., None] + zeros[..., None]), 0, levels).astype(np.uint8)
+    return codes.reshape(n, k), scales.astype(np.float32), zeros
+
+
+@pytest.mark.parametrize("zero_point", ["none", "integer", "float"])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_compiled_round_to_nearest_equals_the_plain_numpy_computation(zero_point, bits):
+    rng = np.random.default_rng(4)
+    weights = rng.standard_normal((128, 70)).astype(np.float32) * 0.02  # 70 columns: a partial tile
+    weights[:, 5] = 0.0  # a block of zeros
+    weights[:32, 6] = np.abs(weights[:32, 6])  # a block of one sign
+    codes = block_codes.round_to_nearest(weights, bits, 32, zero_point)
+    expected = reference_round_to_nearest(weights, bits, 32, zero_point)
+    for got, want in zip((codes.codes, codes.scales, codes.zeros), expected, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_importance_search_takes_the_range_with_the_least_weighted_error():
+    rng = np.random.default_rng(5)
+    weights = rng.standard_normal((64, 48)).astype(np.float32)
+    importance = (rng.uniform(0.01, 1.0, 64) ** 4).astype(np.float32)
+    searched = block_codes.importance_search(weights, importance, bits=4, block=32, zero_point="float")
+    blocks = weights.T.reshape(48, 2, 32)
+    h = importance.reshape(1, 2, 32)
+
+    def error(codes) -> np.ndarray:
+        dequantized = codes.dequantize().T.reshape(48, 2, 32)
+        return (h * (dequantized - blocks) ** 2).sum(-1)
+
+    best = error(searched)
+    for shrink in np.linspace(1.0, 0.7, block_codes.SEARCH_STEPS + 1):
+        lo, hi = blocks.min(-1) * shrink, blocks.max(-1) * shrink
+        scales = ((hi - lo) / 15).astype(np.float16).astype(np.float32)
+        zeros = -lo / ((hi - lo) / 15)
+        q = np.clip(np.round(blocks / scales[..., None] + zeros[..., None]), 0, 15)
+        candidate = (h * ((q - zeros[..., None]) * scales[..., None] - blocks) ** 2).sum(-1)
+        assert np.all(best <= candidate * (1 + 1e-5) + 1e-12)
+
+
 def test_importance_search_lowers_weighted_error():
     rng = np.random.default_rng(2)
     weights = rng.standard_normal((64, 256)).astype(np.float32) * np.where(rng.random((64, 1)) < 0.1, 8.0, 1.0)

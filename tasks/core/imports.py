@@ -19,14 +19,18 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("tasks", "ortforge")
 OWN = (*PACKAGES, "flows", "benchmarks", "tests")  # this repository's top-level packages, never a tool
-# Plumbing that moves values and paths around without shaping any artifact's content (tasks/core/:
-# params, paths, the stage entry point, atomic files, preflight checks, versions), and the empty
-# package files of tasks/: not a code dependency of a stage, and not looked inside.
-PLUMBING = "tasks/core/"
+# Tools that distributions import without declaring them as requirements (found in their installed
+# files; tests/test_contract.py checks each is still imported there): onnxruntime's optimizer and
+# quantizers and genai's builder import onnx_ir. (torch.onnx does too, but only its exporter, which
+# reaches a stage through optimum and onnxruntime-genai's stages anyway.)
+UNDECLARED = {"onnxruntime": ("onnx-ir",), "onnxruntime-genai": ("onnx-ir",)}
 
 
-def is_plumbing(path: str) -> bool:
-    return path.startswith(PLUMBING) or (path.startswith("tasks/") and path.endswith("__init__.py"))
+def is_package_file(path: str) -> bool:
+    """tasks/' package files, which hold a docstring at most (tests/test_contract.py): the one part
+    of a stage's imports that shapes nothing it writes. tasks/core/ counts like any module: it
+    writes the JSON, the manifest's versions and the params' defaults."""
+    return path.startswith("tasks/") and path.endswith("__init__.py")
 
 
 def module_file(name: str, root: Path = REPO) -> Path | None:
@@ -52,12 +56,12 @@ def imported_names(path: Path, root: Path = REPO) -> list[str]:
 
 
 def closure(start: str, root: Path = REPO) -> set[str]:
-    """Repository files (relative paths) start imports, transitively, start included; the plumbing
-    modules are neither included nor looked inside."""
+    """Repository files (relative paths) start imports, transitively, start included; package
+    files are neither included nor looked inside."""
     seen, todo = set(), [start]
     while todo:
         current = todo.pop()
-        if current in seen or is_plumbing(current):
+        if current in seen or is_package_file(current):
             continue
         seen.add(current)
         for name in imported_names(root / current, root):
@@ -101,5 +105,5 @@ def tools(stage: str, pinned: set[str], root: Path = REPO) -> tuple[str, ...]:
         distribution = todo.pop()
         if distribution not in found:
             found.add(distribution)
-            todo += _requirements(distribution)
+            todo += [*_requirements(distribution), *UNDECLARED.get(distribution, ())]
     return tuple(sorted(found & {normalized(tool) for tool in pinned}))

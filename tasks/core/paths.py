@@ -46,7 +46,7 @@ def validation_stamp(model: str, variant: str) -> Path:
 
 
 def runtime_config(model: str, variant: str) -> Path:
-    from ortforge.session import runtime_config as settings_of
+    from ortforge.manifest import runtime_config as settings_of
 
     return settings_of(variant_dir(model, variant))
 
