@@ -3,7 +3,9 @@ Pareto front, and the variant a rule in params.yaml recommends.
 
 Reads reports/<model>/variants/<variant>/{validate,bench}.json for the variants in params.yaml
 `quantize` and params.yaml `report`; writes reports/<model>/report.md, report.png and report.json
-(the recommendation and the front, for scripts) and report.html (table and plots in one offline page).
+(the recommendation, the front and every validation gate, for scripts) and report.html (tables and
+plots in one offline page). Every gate of every variant is shown with its limit and margin, failed
+variants included (tasks/reporting/gates.py); only passing variants reach the results table.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from tasks.core import paths
 from tasks.core.files import atomic_write_json, atomic_write_text, read_json
 from tasks.core.params import ReportConfig
 from tasks.core.stage import StageError, stage_cli
-from tasks.reporting import html, load
+from tasks.reporting import gates, html, load
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,16 @@ def _row(variant: str, validation: dict, bench: dict, speedup: float) -> Row:
     )
 
 
+def read_validation(folder: Path, variant: str) -> dict:
+    validation = read_json(folder / "validate.json")
+    if "role" not in validation:
+        raise StageError(
+            f"{folder / 'validate.json'} predates the gate records the report shows; run `dvc repro` to validate "
+            f"{variant} again"
+        )
+    return validation
+
+
 def collect(reports_dir: Path, variants: list[str]) -> tuple[list[Row], Row | None, dict, list[str]]:
     """The passing variants' rows, the PyTorch baseline's row (from the first bench that has one), the
     workload, and the variants left out because they failed validation."""
@@ -67,8 +79,8 @@ def collect(reports_dir: Path, variants: list[str]) -> tuple[list[Row], Row | No
     for variant in variants:
         folder = reports_dir / variant
         try:
-            validation = read_json(folder / "validate.json")
-            if not validation.get("passed"):  # never published, never reported
+            validation = read_validation(folder, variant)
+            if not validation["passed"]:  # never published, never reported
                 failed.append(variant)
                 continue
             bench = read_json(folder / "bench.json")
@@ -226,8 +238,10 @@ def run(model: str, variants: list[str], cfg: ReportConfig, reports_dir: Path, o
     front, best = pareto_front(rows), recommend(rows, cfg)
     loads = {row.variant: read_json(reports_dir / row.variant / "bench.json").get("concurrency", {}) for row in rows}
     shown = best or rows[0]
+    validations = {variant: read_validation(reports_dir / variant, variant) for variant in variants}
     text = markdown(model, rows, baseline, front, best, cfg, workload, failed)
     text += "\n".join(load.markdown(shown.variant, loads[shown.variant], workload)) + "\n"
+    text += "\n".join(gates.markdown(model, validations)) + "\n"
     atomic_write_text(out["md"], text)
     plot(model, rows, baseline, front, best, out["png"])
     load.plot(model, {v: loads[v] for v in front if loads[v]}, out["load-png"])
@@ -239,6 +253,7 @@ def run(model: str, variants: list[str], cfg: ReportConfig, reports_dir: Path, o
         "pareto_front": front,
         "variants": {row.variant: asdict(row) for row in rows},
         "failed_validation": failed,
+        "validation": gates.summary(validations),
         "under_load": {shown.variant: loads[shown.variant]},
     }
     atomic_write_json(out["json"], summary)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import numpy as np
 from ortforge.manifest import read_manifest, sha256_file, validation_stamp
 from ortforge.names import MANIFEST_FILE, MODEL_FILE
 from tasks.core import paths, resources
-from tasks.core.files import atomic_write_json
+from tasks.core.files import atomic_write_json, read_json
 from tasks.core.params import EvalConfig, Thresholds
 from tasks.core.stage import StageError, stage_cli
 from tasks.evaluation.metrics import (
@@ -32,28 +33,77 @@ from tasks.evaluation.metrics import (
     greedy,
     matching_prefix,
 )
+from tasks.graphs import onnx_io
 from tasks.quantization import coverage, kv_cache
-from tasks.quantization.configs import quantize_config
+from tasks.quantization.configs import QuantizeConfig
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Check:
-    name: str
+    gate: str
     value: float
     threshold: float
     upper_bound: bool  # True: value must be <= threshold; False: value must be >= threshold
+    text: str | None = None  # the evaluation text, for a gate measured per text
+    goal: float | None = None  # the variant's shared limit, where the build replaced it with threshold
+
+    @property
+    def name(self) -> str:
+        return f"{self.gate}[{self.text}]" if self.text else self.gate
+
+    def within(self, limit: float) -> bool:
+        if math.isnan(self.value):  # NaN logits compare False both ways; never let them pass
+            return False
+        return self.value <= limit if self.upper_bound else self.value >= limit
 
     @property
     def passed(self) -> bool:
-        if math.isnan(self.value):  # NaN logits compare False both ways; never let them pass
-            return False
-        return self.value <= self.threshold if self.upper_bound else self.value >= self.threshold
+        return self.within(self.threshold)
+
+    @property
+    def margin(self) -> float:
+        """How far inside the limit the value is; negative when it fails."""
+        return self.threshold - self.value if self.upper_bound else self.value - self.threshold
+
+    @property
+    def meets_goal(self) -> bool:
+        return self.within(self.threshold if self.goal is None else self.goal)
 
     def describe(self) -> str:
         relation = ">" if self.upper_bound else "<"
         return f"{self.name} {self.value:.4g} {relation} {self.threshold:.4g}"
+
+    def record(self) -> dict:
+        found = {"gate": self.gate, "text": self.text, "value": self.value, "limit": self.threshold}
+        found |= {"margin": self.margin, "upper_bound": self.upper_bound, "passed": self.passed}
+        if self.goal is not None:
+            found |= {"shared_limit": self.goal, "meets_shared_limit": self.meets_goal}
+        return found
+
+
+@dataclass(frozen=True)
+class Asked:
+    """What params.yaml asks of one variant of one model: its recipe (what the graph must store),
+    the build's limits, the variant's shared limits where the build replaced some (for a goal
+    variant, its quality goal), and whether it is a comparison point rather than a goal."""
+
+    recipe: QuantizeConfig
+    limits: Thresholds
+    shared: Thresholds | None = None
+    comparison: bool = False
+
+    @classmethod
+    def from_params(cls, params, model: str, variant: str) -> Asked:
+        shared, limits = params.validation.thresholds[variant], params.thresholds(model, variant)
+        return cls(params.variant(variant), limits, None if limits == shared else shared, params.is_comparison(variant))
+
+    def goal(self, gate: str) -> float | None:
+        """The shared limit of gate where the build replaced it, else None."""
+        if self.shared is None or getattr(self.shared, gate) == getattr(self.limits, gate):
+            return None
+        return getattr(self.shared, gate)
 
 
 class ValidationFailed(StageError):
@@ -65,6 +115,7 @@ GATES = (  # (name, the worst value over the texts, whether the value must stay 
     ("kl_divergence", max, True),
     ("top1_agreement", min, False),
     ("greedy_agreement", min, False),
+    ("kv_max_prob_diff", max, True),
 )
 
 
@@ -76,7 +127,7 @@ def greedy_agreement(decoder, text: TextReference) -> float:
     return float(np.mean(predicted == text.greedy_tokens))
 
 
-def measure_text(decoder, text: TextReference, cfg: EvalConfig, sequence: int, reference_ppl: float) -> dict:
+def measure_text(decoder, full_pass, text: TextReference, cfg: EvalConfig, sequence: int, reference_ppl: float) -> dict:
     figures = compare(decoder, text, cfg, sequence)
     matched = matching_prefix(greedy(decoder, text.greedy_prompt, len(text.greedy_tokens)), text.greedy_tokens)
     return figures | {
@@ -85,7 +136,23 @@ def measure_text(decoder, text: TextReference, cfg: EvalConfig, sequence: int, r
         "greedy_agreement": greedy_agreement(decoder, text),
         "greedy_tokens_matched": matched,  # free-running: how long the two continuations stay equal
         "greedy_steps": len(text.greedy_tokens),
+        "kv_max_prob_diff": cached_decode_gap(decoder, text.ids, cfg.kv_prefill, cfg.kv_steps, full_pass),
     }
+
+
+def float_cache_decoder(variant_dir: Path, scratch: Path):
+    """The variant with a float KV cache (its weights linked, not copied) where it stores the cache
+    quantized, else None: the cached-decode gate compares against its full pass."""
+    import onnx
+
+    from ortforge.decoder import Decoder
+    from ortforge.session import create_session
+
+    graph = onnx.load(str(variant_dir / MODEL_FILE), load_external_data=False)
+    if kv_cache.stored_bits(graph) >= 16:
+        return None
+    onnx_io.save_runnable(kv_cache.float_cache(graph), variant_dir, scratch)
+    return Decoder(create_session(scratch))
 
 
 def measure(variant_dir: Path, reference: Reference, cfg: EvalConfig) -> dict:
@@ -94,10 +161,12 @@ def measure(variant_dir: Path, reference: Reference, cfg: EvalConfig) -> dict:
     from ortforge.session import create_session
 
     decoder = Decoder(create_session(variant_dir))
-    per_text = {
-        name: measure_text(decoder, text, cfg, reference.sequence_tokens, reference.perplexity[name])
-        for name, text in reference.texts.items()
-    }
+    with tempfile.TemporaryDirectory() as scratch:
+        full_pass = float_cache_decoder(variant_dir, Path(scratch))
+        per_text = {
+            name: measure_text(decoder, full_pass, text, cfg, reference.sequence_tokens, reference.perplexity[name])
+            for name, text in reference.texts.items()
+        }
     first = next(iter(per_text.values()))
     worst = {name: pick(figures[name] for figures in per_text.values()) for name, pick, _ in GATES}
     return {
@@ -107,74 +176,95 @@ def measure(variant_dir: Path, reference: Reference, cfg: EvalConfig) -> dict:
         "greedy_tokens_matched": first["greedy_tokens_matched"],
         "greedy_steps": first["greedy_steps"],
         "max_logit_diff": max(figures["max_logit_diff"] for figures in per_text.values()),
-        "kv_max_prob_diff": cached_decode_gap(
-            decoder, next(iter(reference.texts.values())).ids, cfg.kv_prefill, cfg.kv_steps
-        ),
+        "kv_reference": "the float-cache graph's full pass" if full_pass else "the variant's own full pass",
         "sequence_tokens": reference.sequence_tokens,
         "tokens_scored": first["tokens_scored"],  # per text
         "texts": per_text,
     }
 
 
-def recorded_params(manifest: dict) -> dict:
-    """The params a variant was written with. A size budget records the widths its measurement
-    chose (eight_bit_blocks, output_bits); the budget is spent, so those widths are what to check."""
-    return {key: value for key, value in manifest["params"].items() if key != "size_budget_mb"}
+def asked_widths(recipe: QuantizeConfig, manifest: dict) -> QuantizeConfig:
+    """What the recipe asks of each matrix. A size budget asks for the widths its measurement chose
+    within it (the manifest records them as eight_bit_blocks and output_bits)."""
+    if getattr(recipe, "size_budget_mb", None) is None:
+        return recipe
+    chosen = {key: manifest["params"][key] for key in ("eight_bit_blocks", "output_bits")}
+    return recipe.model_copy(update=chosen)
 
 
-def measure_coverage(variant_dir: Path) -> dict:
-    """What the graph stores at which width, against what the variant's params asked (manifest)."""
+def tied_embeddings(config_file: Path) -> bool | None:
+    """Whether the model's config ties its token lookup to its output layer; None where it does not
+    say (the default differs between model classes)."""
+    if not config_file.is_file():
+        return None
+    config = read_json(config_file)
+    for section in (config, config.get("text_config") or {}):
+        if "tie_word_embeddings" in section:
+            return bool(section["tie_word_embeddings"])
+    return None
+
+
+def measure_coverage(variant_dir: Path, recipe: QuantizeConfig) -> dict:
+    """What the graph stores at which width, against what params.yaml's recipe asks (not what the
+    quantize stage recorded: a stage that ignored a key would agree with itself)."""
     import onnx
 
     manifest = read_manifest(variant_dir)
-    params = quantize_config(**recorded_params(manifest))
+    params = asked_widths(recipe, manifest)
     graph = onnx.load(str(variant_dir / MODEL_FILE), load_external_data=False)
     found = coverage.weights(graph)
-    share, wrong = coverage.shortfall(params, found, set(manifest.get("kept_float", {})))
     stored, asked = kv_cache.stored_bits(graph), params.kv_bits
     as_asked = stored == asked if asked else stored >= 16  # "float": float32, or float16 in an fp16 graph
-    return {
-        "share_as_asked": share,
-        "not_as_asked": wrong,
+    tied = tied_embeddings(variant_dir / "config.json")
+    return coverage.against_recipe(params, found, manifest.get("kept_float", {}), tied) | {
         "by_role": coverage.summary(found),
         "kv_cache": {"asked": params.kv_cache, "stored_bits": stored, "as_asked": as_asked},
     }
 
 
-def checks(figures: dict, limits: Thresholds) -> list[Check]:
+def checks(figures: dict, asked: Asked) -> list[Check]:
+    limits = asked.limits
     found = [
-        Check(f"{name}[{text}]", values[name], getattr(limits, name), upper_bound=upper)
+        Check(name, values[name], getattr(limits, name), upper, text=text, goal=asked.goal(name))
         for text, values in figures["texts"].items()
         for name, _, upper in GATES
     ]
-    found.append(Check("kv_max_prob_diff", figures["kv_max_prob_diff"], limits.kv_max_prob_diff, upper_bound=True))
-    found.append(Check("coverage", figures["coverage"]["share_as_asked"], 1.0, upper_bound=False))
-    found.append(Check("kv_cache_as_asked", float(figures["coverage"]["kv_cache"]["as_asked"]), 1.0, upper_bound=False))
+    covered = figures["coverage"]
+    found.append(Check("coverage", covered["share_as_asked"], 1.0, upper_bound=False))
+    kept = covered["kept_float"]
+    found.append(Check("kept_float_share", kept["share"], kept["limit"], upper_bound=True))
+    found.append(Check("kv_cache_as_asked", float(covered["kv_cache"]["as_asked"]), 1.0, upper_bound=False))
     if limits.max_logit_diff is not None:
-        found.append(Check("max_logit_diff", figures["max_logit_diff"], limits.max_logit_diff, upper_bound=True))
+        goal = asked.goal("max_logit_diff")
+        found.append(Check("max_logit_diff", figures["max_logit_diff"], limits.max_logit_diff, True, goal=goal))
     return found
 
 
-def run(
-    cfg: EvalConfig, limits: Thresholds, variant_dir: Path, reference_dir: Path, report: Path, variant: str
-) -> dict:
+def verdict(results: list[Check], asked: Asked) -> dict:
+    """Passed (against the build's limits) and, for a goal variant, whether its quality goal (the
+    shared limits) is met: a build that replaced a limit may pass a variant that misses its goal."""
+    replaced = {
+        check.gate: {"limit": check.threshold, "shared": check.goal} for check in results if check.goal is not None
+    }
+    return {
+        "passed": all(check.passed for check in results),
+        "role": "comparison" if asked.comparison else "goal",
+        "goal_met": None if asked.comparison else all(check.meets_goal for check in results),
+        "limits_replaced_by_build": replaced,
+    }
+
+
+def run(cfg: EvalConfig, asked: Asked, variant_dir: Path, reference_dir: Path, report: Path, variant: str) -> dict:
     """Measure and write the report; on pass stamp the variant valid, else raise ValidationFailed."""
     if not (variant_dir / "model.onnx").is_file():
         raise StageError(
             f"{variant_dir} has no model.onnx; run the quantize stage first (dvc repro quantize@<model>-{variant})"
         )
     reference = Reference.load(reference_dir)
-    figures = measure(variant_dir, reference, cfg) | {"coverage": measure_coverage(variant_dir)}
-    results = checks(figures, limits)
+    figures = measure(variant_dir, reference, cfg) | {"coverage": measure_coverage(variant_dir, asked.recipe)}
+    results = checks(figures, asked)
     failed = [check for check in results if not check.passed]
-    atomic_write_json(
-        report,
-        {
-            **figures,
-            "passed": not failed,
-            "checks": {c.name: {"value": c.value, "threshold": c.threshold, "passed": c.passed} for c in results},
-        },
-    )
+    atomic_write_json(report, {**figures, **verdict(results, asked), "checks": {c.name: c.record() for c in results}})
     summary = ", ".join(f"{c.name}={c.value:.4g}" for c in results)
     stamp = validation_stamp(variant_dir)
     stamp.unlink(missing_ok=True)
@@ -194,7 +284,7 @@ def run(
             "manifest_sha256": sha256_file(variant_dir / MANIFEST_FILE),
             "perplexity": figures["perplexity"],
             "ppl_ratio": figures["ppl_ratio"],
-            "thresholds": limits.model_dump(),
+            "thresholds": asked.limits.model_dump(),
         },
     )
     log.debug("variant %s passed: %s", variant, summary)
@@ -220,8 +310,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def body(a):
         p = a.paths
-        limits = a.params.thresholds(a.model, a.variant)
-        run(a.params.validation.eval, limits, p["variant-dir"], p["reference"], p["report"], a.variant)
+        asked = Asked.from_params(a.params, a.model, a.variant)
+        run(a.params.validation.eval, asked, p["variant-dir"], p["reference"], p["report"], a.variant)
 
     return stage_cli("validate", __doc__, flags, body, argv, variant=True, needs=needs)
 

@@ -129,9 +129,9 @@ def through_every_stage(family: str, root: Path, variants=("fp32", "int8", "int4
     for variant in variants:
         out[variant] = root / "variants" / variant
         quantize.run(params.variant(variant), out["optimized"], out["hf"], out[variant], {"model": family})
-        limits = params.thresholds("tiny", variant)
+        asked = validate.Asked.from_params(params, "tiny", variant)
         report = root / f"{variant}.json"
-        reports[variant] = validate.run(params.validation.eval, limits, out[variant], out["reference"], report, variant)
+        reports[variant] = validate.run(params.validation.eval, asked, out[variant], out["reference"], report, variant)
     return {"folders": out, "reports": reports}
 
 

@@ -31,7 +31,14 @@ def validated(built, params, tmp_path_factory):
 
     section = params.validation
     report = tmp_path_factory.mktemp("bench") / "validate.json"
-    validate.run(section.eval, section.thresholds["int4"], built["int4"], built["reference"], report, "int4")
+    validate.run(
+        section.eval,
+        validate.Asked.from_params(params, "tiny", "int4"),
+        built["int4"],
+        built["reference"],
+        report,
+        "int4",
+    )
     return built["int4"]
 
 

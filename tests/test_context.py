@@ -29,7 +29,7 @@ def short(tmp_path_factory):
     quantize.run(params.variant("int4"), out["optimized"], out["hf"], out["int4"], {"model": "short"})
     figures = validate.run(
         params.validation.eval,
-        params.thresholds("tiny", "int4"),
+        validate.Asked.from_params(params, "tiny", "int4"),
         out["int4"],
         out["reference"],
         root / "v.json",

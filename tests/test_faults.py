@@ -45,7 +45,8 @@ def test_bench_without_tuning_writes_the_settings_it_used(built, params, tmp_pat
     variant = tmp_path / "int4"
     shutil.copytree(built["int4"], variant)
     section = params.validation
-    validate.run(section.eval, section.thresholds["int4"], variant, built["reference"], tmp_path / "v.json", "int4")
+    asked = validate.Asked.from_params(params, "tiny", "int4")
+    validate.run(section.eval, asked, variant, built["reference"], tmp_path / "v.json", "int4")
     untuned = tiny_params(built["hf"])
     untuned["bench"] |= {"tune": False, "baseline": False}
     write_params(tmp_path, untuned)

@@ -11,7 +11,9 @@ import shutil
 import numpy as np
 import onnx
 import pytest
+from onnx import numpy_helper
 
+from ortforge import names
 from ortforge.batch import BatchDecoder
 from ortforge.decoder import Decoder
 from ortforge.generate import TextGenerator
@@ -24,6 +26,7 @@ from tasks.quantization import kv_cache
 from tasks.quantization.configs import quantize_config
 from tests.conftest import WEIGHT_ONLY
 
+INT4_KV8 = {**WEIGHT_ONLY, "kv_cache": "int8"}
 LOOSE = Thresholds(ppl_ratio=1e9, kl_divergence=1e9, top1_agreement=0.0, greedy_agreement=0.0, kv_max_prob_diff=1.0)
 
 
@@ -34,7 +37,7 @@ def kv_variants(built, params, tmp_path_factory) -> dict[str, object]:
     recipes = {
         "fp32_kv8": {"method": "fp32", "kv_cache": "int8"},
         "fp32_kv4": {"method": "fp32", "kv_cache": "int4"},
-        "int4_kv8": {**WEIGHT_ONLY, "kv_cache": "int8"},
+        "int4_kv8": INT4_KV8,
     }
     out = {}
     for name, recipe in recipes.items():
@@ -129,7 +132,8 @@ def test_batched_decode_over_a_quantized_cache_equals_batch_1(kv_variants):
 
 def test_validate_checks_the_cache_is_what_the_name_says(built, kv_variants, params, tmp_path):
     report = tmp_path / "validate.json"
-    validate.run(params.validation.eval, LOOSE, kv_variants["int4_kv8"], built["reference"], report, "int4_kv8")
+    asked = validate.Asked(quantize_config(**INT4_KV8), LOOSE)
+    validate.run(params.validation.eval, asked, kv_variants["int4_kv8"], built["reference"], report, "int4_kv8")
     written = json.loads(report.read_text())
     assert written["passed"] and written["checks"]["kv_cache_as_asked"]["passed"]
     assert written["coverage"]["kv_cache"] == {"asked": "int8", "stored_bits": 8, "as_asked": True}
@@ -139,7 +143,12 @@ def test_validate_checks_the_cache_is_what_the_name_says(built, kv_variants, par
     manifest = read_manifest(claimed)
     manifest["params"]["kv_cache"] = "int8"
     write_manifest(claimed, {key: value for key, value in manifest.items() if key != "files"})
-    assert validate.measure_coverage(claimed)["kv_cache"] == {"asked": "int8", "stored_bits": 32, "as_asked": False}
+    recipe = quantize_config(method="fp32", kv_cache="int8")
+    assert validate.measure_coverage(claimed, recipe)["kv_cache"] == {
+        "asked": "int8",
+        "stored_bits": 32,
+        "as_asked": False,
+    }
 
 
 def test_a_graph_without_group_query_attention_is_refused_before_work(tmp_path):
@@ -153,3 +162,42 @@ def test_kv_cache_setting_is_checked_like_every_key():
         quantize_config(method="fp32", kv_cache="int2")
     assert quantize_config(method="weight_only", kv_cache="int8").kv_bits == 8
     assert quantize_config(method="fp16").kv_bits is None
+
+
+def with_kv_scales_times(variant_dir, dest, factor: float):
+    """A copy of variant_dir whose KV cache scales are factor times the calibrated ones."""
+    shutil.copytree(variant_dir, dest)
+    graph = onnx.load(str(dest / "model.onnx"))
+    for tensor in graph.graph.initializer:
+        if tensor.name.endswith(".scale"):
+            scaled = (numpy_helper.to_array(tensor) * factor).astype(np.float32)
+            tensor.CopyFrom(numpy_helper.from_array(scaled, tensor.name))
+    onnx.save(graph, str(dest / "model.onnx"))
+    return dest
+
+
+def test_the_cached_decode_gate_sees_the_quantized_cache_error(built, kv_variants, params, tmp_path):
+    """The cache's own full pass reads the same quantized cache as cached decode: the gate compares
+    with the float-cache graph's full pass instead, on every text, and fails a bad scale."""
+    # The tiny random model's probabilities are flat: its calibrated cache moves them by about 5e-4,
+    # scales clipping at a fiftieth of the range by about 3e-2.
+    asked = validate.Asked(quantize_config(**INT4_KV8), LOOSE.model_copy(update={"kv_max_prob_diff": 0.01}))
+    good = validate.run(
+        params.validation.eval, asked, kv_variants["int4_kv8"], built["reference"], tmp_path / "good.json", "int4_kv8"
+    )
+    gaps = [text["kv_max_prob_diff"] for text in good["texts"].values()]
+    assert len(gaps) == 2 and all(0 < gap < 0.01 for gap in gaps)
+    assert good["kv_reference"] == "the float-cache graph's full pass"
+    clipped = with_kv_scales_times(kv_variants["int4_kv8"], tmp_path / "clipped", 0.02)
+    with pytest.raises(validate.ValidationFailed, match=r"kv_max_prob_diff\[GPL-3.txt\] [\d.e-]+ > 0.01"):
+        validate.run(params.validation.eval, asked, clipped, built["reference"], tmp_path / "bad.json", "int4_kv8")
+
+
+def test_the_float_cache_twin_stores_float_and_keeps_every_weight(kv_variants):
+    graph = onnx.load(str(kv_variants["int4_kv8"] / "model.onnx"), load_external_data=False)
+    twin = kv_cache.float_cache(graph)
+    assert kv_cache.stored_bits(graph) == 8 and kv_cache.stored_bits(twin) == 32
+    scales = {t.name for t in graph.graph.initializer if t.name.endswith(".scale")}
+    assert scales and {t.name for t in twin.graph.initializer} == {t.name for t in graph.graph.initializer} - scales
+    assert names.KV_CACHE_BITS_KEY not in {prop.key for prop in twin.metadata_props}
+    assert kv_cache.stored_bits(graph) == 8  # the original is untouched

@@ -38,9 +38,9 @@ def test_parts_raised_to_eight_bits_by_measured_damage_within_the_budget(built, 
     )  # the best damage per megabyte went first
     assert folder_bytes(result.out_dir, "model.onnx*") / 1e6 <= budget * 1.05
     found = coverage.weights(onnx_io.load(result.out_dir, with_weights=False))
-    for built_variant in (all_four, result):  # validate reads back what each chose: blocks too
-        assert validate.measure_coverage(built_variant.out_dir)["share_as_asked"] == 1.0
-        assert validate.measure_coverage(built_variant.out_dir)["not_as_asked"] == []
+    for recipe, built_variant in ((budgeted(10.0), all_four), (budgeted(budget), result)):
+        checked = validate.measure_coverage(built_variant.out_dir, recipe)  # the widths each budget chose
+        assert (checked["share_as_asked"], checked["not_as_asked"]) == (1.0, [])
     eight = {w.layer for w in found if w.role == "linear" and w.bits == 8}
     assert eight == {int(part) for part in table["eight_bit"] if part != "output"}
 

@@ -20,10 +20,41 @@ FIGURES = {
 }
 
 
+def gate_records(ratio: float, limit: float = 1.07, comparison: bool = False) -> dict:
+    """validate.json's verdict and checks for a variant whose perplexity ratio is ratio."""
+    checks = {}
+    for text in ("prose.txt", "code.c"):
+        for gate, value, bound, upper in (
+            ("ppl_ratio", ratio, limit, True),
+            ("kl_divergence", ratio - 1, 0.1, True),
+            ("top1_agreement", 1 - (ratio - 1), 0.8, False),
+            ("greedy_agreement", 0.9, 0.8, False),
+            ("kv_max_prob_diff", 0.01, 0.1, True),
+        ):
+            margin = bound - value if upper else value - bound
+            checks[f"{gate}[{text}]"] = {
+                "gate": gate, "text": text, "value": value, "limit": bound, "margin": margin,
+                "upper_bound": upper, "passed": margin >= 0,
+            }  # fmt: skip
+    return {
+        "role": "comparison" if comparison else "goal",
+        "goal_met": None if comparison else all(c["passed"] for c in checks.values()),
+        "limits_replaced_by_build": {},
+        "checks": checks,
+        "coverage": {
+            "share_as_asked": 1.0,
+            "quantized_share": 1.0,
+            "kept_float": {"matrices": {}, "share": 0.0, "limit": 0.0},
+            "kv_cache": {"asked": "float", "stored_bits": 32, "as_asked": True},
+        },
+    }
+
+
 def fake_reports(folder, figures=FIGURES):
     for variant, (ratio, size, speed) in figures.items():
         (folder / variant).mkdir(parents=True)
         validation = {
+            **gate_records(ratio),
             "passed": True,
             "perplexity": 19.6 * ratio,
             "ppl_ratio": ratio,
@@ -128,7 +159,7 @@ def test_a_variant_that_failed_validation_never_reaches_the_table(tmp_path, outp
     failed = tmp_path / "variants" / "int4" / "validate.json"
     failed.write_text(json.dumps(json.loads(failed.read_text()) | {"passed": False}))
     summary = report.run("m", list(FIGURES), ReportConfig(), tmp_path / "variants", outputs)
-    table = outputs["md"].read_text()
+    table = outputs["md"].read_text().split("## Validation gates")[0]
     assert "| int4 |" not in table and "int4" not in summary["variants"]
     assert summary["recommended"] != "int4" and summary["failed_validation"] == ["int4"]
     assert "Not shown: int4 failed validation" in table
@@ -140,3 +171,47 @@ def test_run_refuses_when_no_variant_passed(tmp_path, outputs):
     failed.write_text(json.dumps(json.loads(failed.read_text()) | {"passed": False}))
     with pytest.raises(StageError, match="no variant of .* passed validation \\(int4\\)"):
         report.run("m", ["int4"], ReportConfig(), tmp_path / "variants", outputs)
+
+
+def test_the_gate_table_shows_value_limit_and_margin_per_text(tmp_path, outputs):
+    fake_reports(tmp_path / "variants")
+    summary = report.run("m", list(FIGURES), ReportConfig(), tmp_path / "variants", outputs)
+    gates = outputs["md"].read_text().split("## Validation gates")[1]
+    # int4_bad: ppl 1.26 over int4's 1.07 on both texts, shown failing with its margin
+    assert "| int4_bad | goal | prose.txt | 1.26 > 1.07 (-0.19) |" in gates
+    assert "| int4 | goal | code.c | 1.054 <= 1.07 (+0.016) |" in gates
+    assert summary["validation"]["variants"]["int4"]["checks"]["ppl_ratio[code.c]"]["limit"] == 1.07
+
+
+def test_comparison_points_and_replaced_limits_are_said_in_words(tmp_path, outputs):
+    fake_reports(tmp_path / "variants")
+    folder = tmp_path / "variants"
+    for variant, changes in (
+        ("slow8", gate_records(1.010, comparison=True)),
+        ("int4_bad", gate_records(1.26, limit=1.3) | {"goal_met": False}),
+    ):
+        record = json.loads((folder / variant / "validate.json").read_text()) | changes
+        if variant == "int4_bad":
+            record["limits_replaced_by_build"] = {"ppl_ratio": {"limit": 1.3, "shared": 1.07}}
+            for check in record["checks"].values():
+                if check["gate"] == "ppl_ratio":
+                    check |= {"shared_limit": 1.07, "meets_shared_limit": False}
+        (folder / variant / "validate.json").write_text(json.dumps(record))
+    summary = report.run("m", list(FIGURES), ReportConfig(), folder, outputs)
+    text = outputs["md"].read_text()
+    assert "m int4_bad: limit replaced by the build: ppl_ratio 1.3 (shared limit 1.07): quality goal not met." in text
+    assert "1.26 <= 1.3* (+0.04)" in text
+    assert "4 of 4 goal variants passed validation and 3 met their quality goal (the shared limits); " in text
+    assert "1 of 1 comparison points passed" in text
+    assert summary["validation"]["counts"] == {
+        "goal": {"variants": 4, "passed": 4, "goal_met": 3},
+        "comparison": {"variants": 1, "passed": 1},
+    }
+
+
+def test_a_validate_json_without_gate_records_is_refused_naming_the_fix(tmp_path, outputs):
+    fake_reports(tmp_path / "variants", {"fp32": FIGURES["fp32"]})
+    stale = tmp_path / "variants" / "fp32" / "validate.json"
+    stale.write_text(json.dumps({k: v for k, v in json.loads(stale.read_text()).items() if k != "role"}))
+    with pytest.raises(StageError, match="predates the gate records the report shows; run `dvc repro`"):
+        report.run("m", ["fp32"], ReportConfig(), tmp_path / "variants", outputs)

@@ -54,7 +54,8 @@ def validated_project(built, params, folder):
     variant = folder / "artifacts" / "tiny" / "variants" / "int4"
     shutil.copytree(built["int4"], variant)
     loose = Thresholds(ppl_ratio=1e9, kl_divergence=1e9, top1_agreement=0.0, greedy_agreement=0.0, kv_max_prob_diff=1.0)
-    validate.run(params.validation.eval, loose, variant, built["reference"], folder / "validate.json", "int4")
+    asked = validate.Asked(params.variant("int4"), loose)
+    validate.run(params.validation.eval, asked, variant, built["reference"], folder / "validate.json", "int4")
     return folder
 
 

@@ -16,7 +16,7 @@ from tasks.core.stage import StageError
 from tasks.evaluation.metrics import Reference
 
 LOOSE = Thresholds(ppl_ratio=1e9, kl_divergence=1e9, top1_agreement=0.0, greedy_agreement=0.0, kv_max_prob_diff=1.0)
-GATES = {"ppl_ratio", "kl_divergence", "top1_agreement", "greedy_agreement"}
+GATES = {"ppl_ratio", "kl_divergence", "top1_agreement", "greedy_agreement", "kv_max_prob_diff"}
 
 
 def test_reference_holds_inputs_and_figures_per_text(built, params):
@@ -38,7 +38,7 @@ def test_run_passes_variants_within_thresholds(built, params, tmp_path, variant)
     report = tmp_path / "validate.json"
     figures = validate.run(
         params.validation.eval,
-        params.validation.thresholds[variant],
+        validate.Asked.from_params(params, "tiny", variant),
         built[variant],
         built["reference"],
         report,
@@ -47,10 +47,14 @@ def test_run_passes_variants_within_thresholds(built, params, tmp_path, variant)
     written = json.loads(report.read_text())
     per_text = {f"{gate}[{text}]" for gate in GATES for text in ("GPL-3.txt", "lstrlib.c")}
     assert written["passed"] is True and set(written["checks"]) == per_text | {
-        "kv_max_prob_diff",
         "coverage",
+        "kept_float_share",
         "kv_cache_as_asked",
     }
+    assert written["role"] == "goal" and written["goal_met"] is True and written["limits_replaced_by_build"] == {}
+    ppl = written["checks"]["ppl_ratio[GPL-3.txt]"]
+    limit = params.validation.thresholds[variant].ppl_ratio
+    assert ppl["limit"] == limit and ppl["margin"] == pytest.approx(limit - ppl["value"])
     assert check_validated(built[variant])["variant"] == variant
     assert written["coverage"]["share_as_asked"] == 1.0
     if variant == "fp32":
@@ -80,7 +84,12 @@ def test_run_gate_stops_a_corrupted_variant(built, params, tmp_path):
     report = tmp_path / "validate.json"
     with pytest.raises(validate.ValidationFailed) as error:
         validate.run(
-            params.validation.eval, params.validation.thresholds["int4"], broken, built["reference"], report, "int4"
+            params.validation.eval,
+            validate.Asked.from_params(params, "tiny", "int4"),
+            broken,
+            built["reference"],
+            report,
+            "int4",
         )
     message = str(error.value)
     assert message.startswith("variant int4 failed validation: ")
@@ -99,4 +108,51 @@ def test_check_treats_nan_as_failure():
 
 def test_run_requires_quantized_variant(built, params, tmp_path):
     with pytest.raises(StageError, match="has no model.onnx; run the quantize stage first"):
-        validate.run(params.validation.eval, LOOSE, tmp_path, built["reference"], tmp_path / "v.json", "int4")
+        asked = validate.Asked(params.variant("int4"), LOOSE)
+        validate.run(params.validation.eval, asked, tmp_path, built["reference"], tmp_path / "v.json", "int4")
+
+
+def test_a_replaced_limit_passes_the_build_but_not_the_quality_goal(built, params, tmp_path):
+    """A build may widen a variant's limits; the variant then passes, and validate.json says which
+    limit the build replaced and that the shared one, the variant's quality goal, is missed."""
+    tight = params.validation.thresholds["int4"].model_copy(update={"kl_divergence": 1e-9})
+    loose = tight.model_copy(update={"kl_divergence": 10.0})
+    report = tmp_path / "validate.json"
+    validate.run(
+        params.validation.eval,
+        validate.Asked(params.variant("int4"), loose, tight),
+        built["int4"],
+        built["reference"],
+        report,
+        "int4",
+    )
+    written = json.loads(report.read_text())
+    assert written["passed"] is True and written["goal_met"] is False
+    assert written["limits_replaced_by_build"] == {"kl_divergence": {"limit": 10.0, "shared": 1e-9}}
+    kl = written["checks"]["kl_divergence[lstrlib.c]"]
+    assert kl["passed"] and not kl["meets_shared_limit"] and kl["shared_limit"] == 1e-9
+
+
+def test_a_comparison_point_has_no_goal(built, params, tmp_path):
+    report = tmp_path / "validate.json"
+    asked = validate.Asked(params.variant("int4"), LOOSE, comparison=True)
+    validate.run(params.validation.eval, asked, built["int4"], built["reference"], report, "int4")
+    written = json.loads(report.read_text())
+    assert written["role"] == "comparison" and written["goal_met"] is None
+
+
+def test_asked_from_params_knows_overrides_and_comparison_points(tiny_hf):
+    from tasks.core.params import Params
+    from tests.conftest import tiny_params
+
+    values = tiny_params(tiny_hf)
+    values["builds"]["tiny-int4"]["thresholds"] = {"ppl_ratio": 1.5}
+    values["validate"]["comparison"] = ["int8"]
+    params = Params.model_validate(values)
+    int4, int8 = (validate.Asked.from_params(params, "tiny", v) for v in ("int4", "int8"))
+    assert int4.limits.ppl_ratio == 1.5 and int4.goal("ppl_ratio") == params.validation.thresholds["int4"].ppl_ratio
+    assert int4.goal("kl_divergence") is None and not int4.comparison
+    assert int8.comparison and int8.shared is None
+    values["validate"]["comparison"] = ["int9"]
+    with pytest.raises(ValueError, match=r"validate.comparison names \['int9'\], not in `quantize`"):
+        Params.model_validate(values)

@@ -166,6 +166,9 @@ class ThresholdOverrides(Strict):
 class ValidateSection(Strict):
     eval: EvalConfig = EvalConfig()
     thresholds: dict[Name, Thresholds]
+    # A goal variant's shared thresholds are its quality goal; a comparison point (another tool's
+    # recipe, kept to compare with) carries the limits it meets, and reports count it apart.
+    comparison: tuple[Name, ...] = Field((), description="variants that are comparison points, not goals")
 
 
 class Build(Strict):
@@ -258,6 +261,13 @@ class Params(Strict):
         return self
 
     @model_validator(mode="after")
+    def _comparison_points_are_variants(self) -> Params:
+        unknown = sorted(set(self.validation.comparison) - set(self.quantize))
+        if unknown:
+            raise ValueError(f"validate.comparison names {unknown}, not in `quantize` ({', '.join(self.quantize)})")
+        return self
+
+    @model_validator(mode="after")
     def _builds_name_known_models_and_variants(self) -> Params:
         for key, build in self.builds.items():
             if build.model not in self.models:
@@ -306,6 +316,9 @@ class Params(Strict):
         shared = self.validation.thresholds[variant]
         overrides = self.build(model, variant).thresholds
         return shared.model_copy(update=overrides.model_dump(exclude_none=True)) if overrides else shared
+
+    def is_comparison(self, variant: str) -> bool:
+        return variant in self.validation.comparison
 
 
 class DuplicateKey(yaml.YAMLError):

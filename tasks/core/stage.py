@@ -76,9 +76,7 @@ def stage_cli(
     for flag, path_of in path_flags.items():
         shown = _default_path(path_of, "<model>", "<variant>")
         parser.add_argument(f"--{flag}", type=Path, dest=flag.replace("-", "_"), help=f"default: {shown}")
-    args = parser.parse_args(argv)
-    if argv is None:  # run as a command (by DVC): end with the process that started it
-        die_with_parent()
+    args = parser.parse_args(argv)  # run as a command, this process asked to end with DVC at import
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         from tasks.core.params import load_params

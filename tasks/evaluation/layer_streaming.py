@@ -104,10 +104,10 @@ def streamed_model(
 ):
     """The model in hf_dir with its decoder layers read from the checkpoint as they run."""
     import torch
-
-    dtype = getattr(torch, dtype)
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    dtype = getattr(torch, dtype)
 
     checkpoint = Checkpoint(hf_dir)
     config = AutoConfig.from_pretrained(hf_dir, trust_remote_code=trust_remote_code)

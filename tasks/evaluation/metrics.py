@@ -195,11 +195,12 @@ def softmax(logits: np.ndarray) -> np.ndarray:
     return np.exp(log_softmax(logits.astype(np.float64)))
 
 
-def cached_decode_gap(decoder, ids: np.ndarray, prefill: int, steps: int) -> float:
+def cached_decode_gap(decoder, ids: np.ndarray, prefill: int, steps: int, full_pass=None) -> float:
     """Largest change of any token's probability between prefill + one-token steps through the cache
-    and one full pass over the same tokens."""
+    and one full pass over the same tokens (by full_pass, a decoder of the same weights with a float
+    cache, where decoder's cache is quantized: its own full pass reads the same quantized cache)."""
     tokens = ids[: prefill + steps]
-    full = full_pass_logits(decoder, tokens)
+    full = full_pass_logits(full_pass or decoder, tokens)
     logits, cache = decoder.forward(tokens[:prefill], decoder.empty_cache())
     stepped = [logits]
     for token in tokens[prefill:]:

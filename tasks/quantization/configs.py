@@ -75,6 +75,19 @@ class _OnnxruntimeInt8(Recipe):
         None, gt=1.0, description="MatMuls whose input has a token this many times the median token's peak stay float"
     )
     per_channel: Bool = False
+    max_float_share: Float = Field(
+        0.0, ge=0.0, lt=1.0, description="largest share of matmul weights keep_float and outlier_ratio may leave float"
+    )
+
+    @model_validator(mode="after")
+    def _float_share_capped(self) -> _OnnxruntimeInt8:
+        # What a recipe leaves float is part of what its name promises: say how much, up front.
+        if (self.keep_float or self.outlier_ratio is not None) and self.max_float_share == 0:
+            raise ValueError(
+                "keep_float and outlier_ratio leave MatMuls float: set max_float_share to the largest share of "
+                "matmul weights you accept in float (e.g. 0.25); validate fails a variant above it"
+            )
+        return self
 
 
 class Int8Dynamic(_OnnxruntimeInt8):

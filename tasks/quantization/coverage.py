@@ -173,10 +173,11 @@ def as_records(found: list[Weight]) -> list[dict]:
     return [asdict(weight) for weight in found]
 
 
-def asked_bits(params: QuantizeConfig, weight: Weight, num_layers: int, kept_float: set[str]) -> int | None:
-    """The width the variant's params ask of one matrix; None where they ask nothing (lookups)."""
+def asked_bits(params: QuantizeConfig, weight: Weight, num_layers: int, kept_float: set[str], tied: bool) -> int:
+    """The width the variant's params ask of one matrix (tied: the model's lookup and output layer
+    are one matrix)."""
     if weight.role == "embedding":
-        return None
+        return _embedding_bits(params, tied)
     if weight.node in kept_float or any(pattern in weight.node for pattern in kept_float_patterns(params)):
         return 32
     if params.method == "weight_only":
@@ -187,12 +188,51 @@ def asked_bits(params: QuantizeConfig, weight: Weight, num_layers: int, kept_flo
     return {"fp32": 32, "fp16": 16}.get(params.method, 8)  # both int8 methods quantize every matmul
 
 
-def shortfall(params: QuantizeConfig, found: list[Weight], kept_float: set[str]) -> tuple[float, list[str]]:
-    """The share of matmul weights stored at the width asked of them, and the matrices that are not."""
+def _embedding_bits(params: QuantizeConfig, tied: bool) -> int:
+    """A tied lookup reads the output layer's matrix, so it is asked the output layer's width; an
+    untied one stays float (no recipe quantizes a lookup of its own; fp16 converts every weight)."""
+    if not tied:
+        return 16 if params.method == "fp16" else 32
+    if params.method == "weight_only":
+        return params.output_bits
+    return {"fp32": 32, "fp16": 16}.get(params.method, 8)
+
+
+def against_recipe(
+    params: QuantizeConfig, found: list[Weight], kept_float: dict[str, str], tied: bool | None = None
+) -> dict:
+    """The graph's widths against what the recipe asks of each matrix, lookups included.
+
+    kept_float: matrices the recipe's measurement chose to keep float (outlier inputs), with why;
+    with those matching its keep_float patterns they are listed and their share of the matmul
+    weights is what max_float_share caps. tied: whether the model ties its lookup to its output
+    layer (its config.json); None: as the graph has it. onnxruntime's int8 tools decide for
+    themselves whether the lookup shares the output layer's codes (quantize_dynamic leaves a float
+    copy), so their lookups are asked what the graph shows."""
     num_layers = 1 + max((w.layer for w in found if w.layer is not None), default=0)
-    asked = [(weight, asked_bits(params, weight, num_layers, kept_float)) for weight in found]
-    asked = [(weight, bits) for weight, bits in asked if bits is not None]
+    patterns = kept_float_patterns(params)
+    chosen = {node: why for node, why in kept_float.items() if getattr(params, "outlier_ratio", None) is not None}
+    kept = {
+        w.node: chosen.get(w.node) or f"matches keep_float `{next(p for p in patterns if p in w.node)}`"
+        for w in found
+        if w.role != "embedding" and (w.node in chosen or any(p in w.node for p in patterns))
+    }
+    own_writer = params.method in ("weight_only", "fp32", "fp16")
+    lookup_shared = any(w.shared for w in found if w.role == "embedding")
+    tied = lookup_shared if tied is None or not own_writer else tied
+    asked = [(weight, asked_bits(params, weight, num_layers, set(kept), tied)) for weight in found]
     total = sum(weight.parameters for weight, _ in asked)
     wrong = [(weight, bits) for weight, bits in asked if weight.bits != bits]
-    share = 1.0 - sum(weight.parameters for weight, _ in wrong) / total if total else 0.0
-    return share, [f"{weight.node} ({weight.op}, {weight.bits}-bit, asked {bits})" for weight, bits in wrong]
+    matmuls = [weight for weight in found if weight.role != "embedding"]
+    matmul_total = sum(weight.parameters for weight in matmuls) or 1
+    return {
+        "share_as_asked": 1.0 - sum(w.parameters for w, _ in wrong) / total if total else 0.0,
+        "not_as_asked": [f"{w.node} ({w.op}, {w.bits}-bit, asked {bits})" for w, bits in wrong],
+        # Below 16 bits: what the variant's name promises of its matmuls, whatever the recipe exempts.
+        "quantized_share": sum(w.parameters for w in matmuls if w.bits < 16) / matmul_total,
+        "kept_float": {
+            "matrices": kept,
+            "share": sum(w.parameters for w in matmuls if w.node in kept) / matmul_total,
+            "limit": getattr(params, "max_float_share", 0.0),
+        },
+    }

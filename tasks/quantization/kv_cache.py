@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 ATTENTION = "GroupQueryAttention"
 K_SCALE_INPUT, V_SCALE_INPUT = 12, 13  # GroupQueryAttention's optional inputs k_scale and v_scale
+QUANTIZED_CACHE_ATTRIBUTES = ("k_quant_type", "v_quant_type", "kv_cache_bit_width")
 LARGEST_CODE = {8: 127, 4: 7}  # symmetric codes: int8 [-128, 127], int4 [-8, 7]
 SMALLEST_SCALE = 1e-4  # of a layer's largest: a channel calibration saw as zero still holds something
 
@@ -123,6 +124,38 @@ def quantize(graph, weights_dir: Path, calib, context: int, head_dim: int, bits:
     for value in [*graph.graph.input, *graph.graph.output]:
         if value.name.startswith(("past_key_values.", "present.")):
             value.type.tensor_type.elem_type = stored
+
+
+def float_cache(graph):
+    """A copy of graph (loaded without its weights) that stores its KV cache as float: what a
+    quantized cache approximates, and so validate's reference for the error the cache adds."""
+    import copy
+
+    twin = copy.deepcopy(graph)
+    scales = set()
+    for node in attention_nodes(twin):
+        inputs = list(node.input)
+        for index in (K_SCALE_INPUT, V_SCALE_INPUT):
+            if index < len(inputs):
+                scales.add(inputs[index])
+                inputs[index] = ""
+        while inputs and not inputs[-1]:
+            inputs.pop()
+        attributes = [a for a in node.attribute if a.name not in QUANTIZED_CACHE_ATTRIBUTES]
+        del node.input[:], node.attribute[:]
+        node.input.extend(inputs)
+        node.attribute.extend(attributes)
+    initializers = [t for t in twin.graph.initializer if t.name not in scales]
+    del twin.graph.initializer[:]
+    twin.graph.initializer.extend(initializers)
+    float_type = next(o for o in twin.graph.output if o.name == names.LOGITS).type.tensor_type.elem_type
+    for value in [*twin.graph.input, *twin.graph.output]:
+        if value.name.startswith(("past_key_values.", "present.")):
+            value.type.tensor_type.elem_type = float_type
+    metadata = [prop for prop in twin.metadata_props if prop.key != names.KV_CACHE_BITS_KEY]
+    del twin.metadata_props[:]
+    twin.metadata_props.extend(metadata)
+    return twin
 
 
 def stored_bits(graph) -> int:
