@@ -187,7 +187,7 @@ def test_the_cached_decode_gate_sees_the_quantized_cache_error(built, kv_variant
     )
     gaps = [text["kv_max_prob_diff"] for text in good["texts"].values()]
     assert len(gaps) == 2 and all(0 < gap < 0.01 for gap in gaps)
-    assert good["kv_reference"] == "the float-cache graph's full pass"
+    assert good["kv_check"] == {"float_compute": True, "full_pass_over": "a float cache"}
     clipped = with_kv_scales_times(kv_variants["int4_kv8"], tmp_path / "clipped", 0.02)
     with pytest.raises(validate.ValidationFailed, match=r"kv_max_prob_diff\[GPL-3.txt\] [\d.e-]+ > 0.01"):
         validate.run(params.validation.eval, asked, clipped, built["reference"], tmp_path / "bad.json", "int4_kv8")

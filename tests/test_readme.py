@@ -3,6 +3,7 @@ the README says nothing its tree contradicts."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -37,3 +38,52 @@ def test_every_path_the_readme_names_exists():
     text = readme_figures.README.read_text(encoding="utf-8")
     named = set(re.findall(r"`((?:tasks|flows|ortforge|tests|benchmarks|scripts)/[\w/]+\.(?:py|json|md|png))`", text))
     assert named and [p for p in sorted(named) if not (REPO / p).exists()] == []
+
+
+def test_the_results_and_reports_describe_what_dvc_lock_names():
+    """No result file recorded hashes other than dvc.lock's now, and every report is the output
+    dvc.lock records (files from before provenance are warned about, not passed silently)."""
+    errors, _ = readme_figures.outdated_sources()
+    assert errors == [], "python -m benchmarks.refresh, then python scripts/readme_figures.py"
+
+
+def test_a_result_about_a_rebuilt_artifact_is_named_with_its_refresh_command(tmp_path, monkeypatch):
+    from benchmarks import provenance, refresh
+
+    lock = tmp_path / "dvc.lock"
+    lock.write_text(
+        "schema: '2.0'\nstages:\n  quantize@m-int4:\n    outs:\n    - path: artifacts/m/variants/int4\n"
+        "      md5: aaa.dir\n",
+        encoding="utf-8",
+    )
+    result = {"provenance": {"refresh": "python benchmarks/kv_cache.py --model m", "measured": {}}}
+    result["provenance"]["measured"]["artifacts/m/variants/int4"] = "aaa.dir"
+    assert provenance.stale(result, provenance.lock_outputs(lock)) == []
+    lock.write_text(lock.read_text(encoding="utf-8").replace("aaa.dir", "bbb.dir"), encoding="utf-8")
+    assert provenance.stale(result, provenance.lock_outputs(lock)) == [
+        "artifacts/m/variants/int4 is bbb.dir in dvc.lock, aaa.dir when measured"
+    ]
+    assert provenance.stale({}, {}) == [provenance.UNRECORDED]
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "kv_cache.json").write_text(json.dumps(result), encoding="utf-8")
+    monkeypatch.setattr(refresh, "RESULTS", results)
+    outputs = provenance.lock_outputs(lock)
+    monkeypatch.setattr(readme_figures.provenance, "lock_outputs", lambda: outputs)
+    errors, warnings = readme_figures.outdated_sources()
+    assert errors == [
+        "benchmarks/results/kv_cache.json: artifacts/m/variants/int4 is bbb.dir in dvc.lock, aaa.dir when measured; "
+        "refresh: python benchmarks/kv_cache.py --model m"
+    ]
+    assert any(w.startswith("benchmarks/results/serving.json: it records no provenance") for w in warnings)
+
+
+def test_a_report_that_is_not_the_locked_output_is_an_error(monkeypatch):
+    from benchmarks import provenance
+
+    report = REPO / "reports" / "smollm2-135m" / "report.json"
+    locked = provenance.lock_outputs()
+    changed = {**locked, "reports/smollm2-135m/report.json": {"stage": "report@smollm2-135m", "md5": "0" * 32}}
+    monkeypatch.setattr(readme_figures.provenance, "lock_outputs", lambda: changed)
+    errors, _ = readme_figures.outdated_sources()
+    assert f"{report.relative_to(REPO)} is not what dvc.lock records for report@smollm2-135m; run `dvc repro`" in errors

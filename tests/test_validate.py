@@ -156,3 +156,27 @@ def test_asked_from_params_knows_overrides_and_comparison_points(tiny_hf):
     values["validate"]["comparison"] = ["int9"]
     with pytest.raises(ValueError, match=r"validate.comparison names \['int9'\], not in `quantize`"):
         Params.model_validate(values)
+
+
+def test_the_cache_check_runs_with_float_compute_so_it_sees_the_cache_alone(built, params, tmp_path):
+    """int8-activation kernels (accuracy_level 4) round one token differently from many; the
+    cached-decode check compares with float compute on both sides, where a correct cache agrees
+    with a full pass to float rounding, and the variant itself is left as built."""
+    import onnx
+
+    from ortforge.decoder import Decoder
+    from ortforge.session import create_session
+    from tasks.evaluation.metrics import cached_decode_gap
+
+    report = tmp_path / "validate.json"
+    figures = validate.run(
+        params.validation.eval, validate.Asked.from_params(params, "tiny", "int4"), built["int4"],
+        built["reference"], report, "int4",
+    )  # fmt: skip
+    assert figures["kv_check"] == {"float_compute": True, "full_pass_over": "the variant's own cache (a float one)"}
+    assert all(text["kv_max_prob_diff"] < 1e-4 for text in figures["texts"].values())
+    graph = onnx.load(str(built["int4"] / "model.onnx"), load_external_data=False)
+    assert validate.float_compute(graph) > 0  # the artifact still computes at its own accuracy level
+    ids = Reference.load(built["reference"]).texts["GPL-3.txt"].ids
+    cfg = params.validation.eval
+    assert cached_decode_gap(Decoder(create_session(built["int4"])), ids, cfg.kv_prefill, cfg.kv_steps) >= 0

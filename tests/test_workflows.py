@@ -61,6 +61,21 @@ def test_build_workflow_caches_dvc_on_the_lock_and_collects_garbage():
     order = ["Pull from the DVC remote", "Reproduce", "Test", "Drop cache entries this workspace does not use"]
     assert [n for n in names if n in order] == order
     assert names.index("Save the DVC cache") > names.index("Drop cache entries this workspace does not use")
+    by_name = {item.get("name"): item for item in steps}
+    repro = by_name["Reproduce"]["id"]
+    for name in ("Drop cache entries this workspace does not use", "Save the DVC cache"):  # also after a failed test
+        assert by_name[name]["if"] == f"always() && steps.{repro}.outcome == 'success'"
+    assert names.index("The rebuild changed no committed output") == names.index("Reproduce") + 1
+
+
+def test_the_rebuild_check_fails_when_a_committed_output_changed(pushed):
+    clone = fresh_clone(pushed, "rebuild-check")
+    unchanged = run_step("build.yml", "The rebuild changed no committed output", clone)
+    assert unchanged.returncode == 0, unchanged.stdout + unchanged.stderr
+    metrics = next((clone / "reports").rglob("validate.json"))
+    metrics.write_text(metrics.read_text().replace('"passed": true', '"passed": false', 1))
+    changed = run_step("build.yml", "The rebuild changed no committed output", clone)
+    assert changed.returncode == 1 and "validate.json" in changed.stdout
 
 
 def test_lock_check_passes_when_current_and_fails_when_stale(pushed, tmp_path):
