@@ -217,11 +217,13 @@ def measure(spec: dict, prompt: list[int], new_tokens: int, warmup: int, repeats
 CONTEXT_STEPS = 32  # timed decode steps after each context's prefill
 
 
-def decode_at_contexts(folder: str, ids: list[int], contexts: list[int]) -> dict:
-    """Run in a fresh process: per context, ms per decode step after a prefill of that many tokens."""
+def decode_at_contexts(folder: str, ids: list[int], contexts: list[int], settings: dict | None = None) -> dict:
+    """Run in a fresh process: per context, ms per decode step after a prefill of that many tokens
+    (settings: the session settings to use; None: the artifact's tuned ones)."""
     from ortforge.decoder import Decoder
+    from ortforge.session import SessionSettings
 
-    decoder = Decoder.for_artifact(Path(folder))
+    decoder = Decoder.for_artifact(Path(folder), SessionSettings.from_dict(settings) if settings else None)
     figures = {}
     for context in contexts:
         logits, cache = decoder.forward(ids[:context], decoder.empty_cache(), last_only=True)

@@ -24,6 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks import provenance  # noqa: E402
 from flows.dvc import dvc as run_dvc  # noqa: E402
 from tasks.core.files import atomic_write_json  # noqa: E402
 
@@ -73,12 +74,15 @@ def fan_out_seconds(root: Path, model: str, variants: list[str], workers: int) -
     return time.perf_counter() - started, len(executed)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--variants", default=DEFAULT_VARIANTS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     variants = args.variants.split(",")
+    # What every variant starts from; the variants' own stages are rebuilt from empty each time.
+    measured = [f"artifacts/{args.model}/{name}" for name in ("hf", "optimized", "reference")]
+    provenance.require_current(measured)
     root = prepare(args.model)
 
     from prefect import flow
@@ -92,6 +96,7 @@ def main() -> int:
         results[workers] = round(seconds, 1)
         print(f"{workers} worker(s): {seconds:.1f} s for {stages} stages", flush=True)
     summary = {
+        "provenance": provenance.record(provenance.command("fanout.py", argv), measured),
         "model": args.model,
         "variants": variants,
         "stages": 2 * len(variants),

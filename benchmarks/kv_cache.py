@@ -5,11 +5,14 @@ decode speed at growing contexts, and the server's peak RSS with 8 streams of 2,
                                   [--contexts 128,1024,2048] [--rounds 2] [--streams 8]
 
 The first variant is the float-cache reference (same weights). Decode: one process per variant and
-round (rounds interleave the variants), a prefill of each context's tokens of data/eval/GPL-3.txt,
-then 32 timed greedy steps. Quality: the validate stage's figures (reports/<model>/variants/<v>/
-validate.json), per evaluation text, against the reference variant's. Memory: `ortforge serve`
-with --streams slots, as many concurrent requests of (context - 64)-token prompts and 64 new
-tokens, VmHWM of the server process. Writes benchmarks/results/kv_cache.json and kv_cache.png.
+round (rounds interleave the variants), every variant with the same session settings (the
+reference's tuned ones: the rows differ only in the cache), a prefill of each context's tokens of
+data/eval/GPL-3.txt, then 32 timed greedy steps. Quality: the validate stage's figures (reports/
+<model>/variants/<v>/validate.json), per evaluation text, against the reference variant's, and
+the cached-decode gap over its float cache. Memory: `ortforge serve` as a user runs it (each
+variant's own tuned settings) with --streams slots, as many concurrent requests of (context - 64)-
+token prompts and 64 new tokens, VmHWM of the server process. Writes benchmarks/results/
+kv_cache.json (with its provenance) and kv_cache.png.
 """
 
 from __future__ import annotations
@@ -25,9 +28,11 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks import provenance  # noqa: E402
 from benchmarks.engines import CONTEXT_STEPS as STEPS  # noqa: E402
 from benchmarks.engines import decode_at_contexts  # noqa: E402
 from benchmarks.serving import free_port, one_request, ortforge_command, peak_rss_mb, started  # noqa: E402
+from ortforge.session import SessionSettings  # noqa: E402
 from tasks.core import paths  # noqa: E402
 from tasks.core.files import atomic_write_json  # noqa: E402
 from tasks.measurement.concurrency import run_streams  # noqa: E402
@@ -54,6 +59,7 @@ def quality(model: str, variant: str, reference: str) -> dict:
         "worst_ppl_over_float_cache": max(ratios.values()),
         "kl_divergence_from_fp32": ours["kl_divergence"],
         "ppl_ratio_to_fp32": ours["ppl_ratio"],
+        "cached_decode_gap": ours["kv_max_prob_diff"],  # against a float cache's full pass, worst text
     }
 
 
@@ -105,15 +111,15 @@ def table(report: dict) -> str:
     # JSON keeps the contexts sorted as text
     contexts = sorted(next(iter(report["variants"].values()))["decode_ms_p50"], key=int)
     lines = [
-        "| variant | KV cache | KV bytes/token | ppl / float cache | KL from fp32 | "
+        "| variant | KV cache | KV bytes/token | ppl / float cache | KL from fp32 | cached-decode gap | "
         + " | ".join(f"decode ms @{c}" for c in contexts)
         + " | server RSS MB |",
-        "|---|---|---|---|---|" + "---|" * len(contexts) + "---|",
+        "|---|---|---|---|---|---|" + "---|" * len(contexts) + "---|",
     ]
     for name, v in report["variants"].items():
         lines.append(
             f"| {name} | {v['kv_cache']} | {v['kv_bytes_per_token']:,} | {v['worst_ppl_over_float_cache']:.4f} | "
-            f"{v['kl_divergence_from_fp32']:.4f} | "
+            f"{v['kl_divergence_from_fp32']:.4f} | {v['cached_decode_gap']:.4f} | "
             + " | ".join(f"{v['decode_ms_p50'][c]:.2f}" for c in contexts)
             + f" | {v['server']['peak_rss_mb']:.0f} |"
         )
@@ -134,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     for folder in folders.values():
         if not (folder / "model.onnx").is_file():
             raise SystemExit(f"error: {folder} is missing; run `dvc repro` first")
+    measured = provenance.model_outputs(args.model, variants)
+    provenance.require_current(measured)
+    settings = SessionSettings.for_artifact(folders[variants[0]]).to_dict()
     ids = text_ids(folders[variants[0]])
     if len(ids) < max(contexts) + STEPS:
         raise SystemExit(f"error: the evaluation texts have {len(ids)} tokens, fewer than the largest context")
@@ -142,11 +151,20 @@ def main(argv: list[str] | None = None) -> int:
     for round_index in range(args.rounds):
         for variant in variants:
             print(f"round {round_index + 1}/{args.rounds}: decode at {contexts} on {variant}", flush=True)
-            result = in_fresh_process(decode_at_contexts, str(folders[variant]), ids, contexts)
+            result = in_fresh_process(decode_at_contexts, str(folders[variant]), ids, contexts, settings)
             kv_bytes[variant] = result["kv_bytes_per_token"]
             for context, timed in result["steps"].items():
                 steps[variant][context] += timed
-    report = {"model": args.model, "cpus": os.cpu_count(), "rounds": args.rounds, "steps": STEPS, "variants": {}}
+    report = {
+        "provenance": provenance.record(provenance.command("kv_cache.py", argv), measured),
+        "model": args.model,
+        "cpus": os.cpu_count(),
+        "rounds": args.rounds,
+        "steps": STEPS,
+        "decode_session_settings": {"every variant": settings, "from": f"{variants[0]}.runtime.json"},
+        "server_session_settings": "each variant's own tuned settings (what `ortforge serve` uses)",
+        "variants": {},
+    }
     for variant in variants:
         manifest = json.loads((folders[variant] / "manifest.json").read_text(encoding="utf-8"))
         report["variants"][variant] = {

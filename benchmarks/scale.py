@@ -39,7 +39,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks import engines, random_models  # noqa: E402
+from benchmarks import engines, provenance, random_models  # noqa: E402
 from benchmarks.side_by_side import memory_bandwidth_gb_s  # noqa: E402
 from flows.cache_links import disk_bytes  # noqa: E402
 from tasks.core.files import atomic_write_json  # noqa: E402
@@ -79,6 +79,9 @@ def failure_reason(output: str) -> str:
     lines = [line.strip() for line in output.splitlines() if any(c.isalpha() for c in line)]
     errors = [line for line in lines if "error" in line.lower() or "killed" in line.lower()]
     return (errors or lines or ["no output"])[-1][:300]
+
+
+PER_MODEL_COMMITS = {"commit": None, "code_modified": None, "per_model": "models.<name>.measured"}
 
 
 def measured_on() -> dict:
@@ -508,6 +511,9 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"{TOKENIZER} has no tokenizer.json; run `dvc repro download@smollm2-135m` first")
     openvino = args.openvino if args.openvino.is_file() else None
     report = {
+        # Random-weight models it makes itself: nothing in dvc.lock describes them; with --merge the
+        # sizes come from different runs, so each records its own commit (models.<name>.measured).
+        "provenance": provenance.record(provenance.command("scale.py", argv)) | PER_MODEL_COMMITS,
         "machine": {"cpu_count": os.cpu_count(), "memory_bandwidth_gb_s": round(memory_bandwidth_gb_s(), 1)},
         "limits": {"name": LIMITS_NAME, "values": SCALE_LIMITS},
         "openvino": str(openvino) if openvino else "not installed (benchmarks/peers/setup_openvino.sh)",

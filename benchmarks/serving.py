@@ -33,6 +33,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks import provenance  # noqa: E402
 from benchmarks.side_by_side import gguf_file  # noqa: E402
 from tasks.core import paths  # noqa: E402
 from tasks.core.files import atomic_write_json  # noqa: E402
@@ -225,6 +226,12 @@ def plot(report: dict, path: Path) -> None:
     figure.savefig(path, dpi=120)
 
 
+def llama_version(llama: str) -> str:
+    """What `llama-server --version` says of itself (its build number and commit)."""
+    said = subprocess.run([llama, "--version"], capture_output=True, text=True, timeout=30)
+    return next((line.strip() for line in (said.stdout + said.stderr).splitlines() if "version" in line), "unknown")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -240,10 +247,14 @@ def main(argv: list[str] | None = None) -> int:
     for folder in folders.values():
         if not (folder / "model.onnx").is_file():
             raise SystemExit(f"error: {folder} is missing; run `dvc repro` first")
+    measured = provenance.model_outputs(args.model, variants)
+    provenance.require_current(measured)
     folder = folders[variants[0]]
     llama = os.environ.get("LLAMA_SERVER") or shutil.which("llama-server")
     gguf = gguf_file(args.model)
+    peers = {"llama-server": llama_version(llama)} if llama and gguf else {}
     report = {
+        "provenance": provenance.record(provenance.command("serving.py", argv), measured, peers),
         "model": args.model,
         "variant": args.variant,
         "cpus": os.cpu_count(),

@@ -33,7 +33,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks import engines  # noqa: E402
+from benchmarks import engines, provenance  # noqa: E402
 from tasks.bench import prompt_ids  # noqa: E402
 from tasks.core import paths  # noqa: E402
 from tasks.core.files import atomic_write_json, folder_bytes  # noqa: E402
@@ -43,6 +43,7 @@ from tasks.measurement.timing import in_fresh_process  # noqa: E402
 RESULTS = REPO / "benchmarks" / "results"
 CACHE = REPO / "benchmarks" / ".cache"
 WORKLOADS = {"short": (128, 64), "long": (2048, 200)}
+SHOWN_VARIANTS = ("fp32", "int8", "int8_smooth", "int4", "int4_mixed")  # ortforge's rows, where built
 LOOKUP_DRAFT = 3  # draft tokens per step for prompt lookup decoding (ortforge.lookup)
 
 
@@ -93,6 +94,58 @@ def genai_int4(model: str) -> Path | None:
     return out
 
 
+def genai_quality(folder: str, reference_dir: str, params_file: str) -> dict:
+    """Run in a fresh process: onnxruntime-genai's int4 graph scored as validate scores a variant
+    (the same texts, windows and PyTorch reference: tasks.evaluation.metrics.compare), through
+    ortforge's decoder over the graph genai's runtime runs (the same onnxruntime graph and kernels)."""
+    from ortforge import names
+    from ortforge.decoder import Decoder
+    from ortforge.session import create_session
+    from tasks.core.params import load_params
+    from tasks.evaluation.metrics import Reference, compare
+
+    config = json.loads((Path(folder) / "genai_config.json").read_text(encoding="utf-8"))["model"]["decoder"]
+    session = create_session(Path(folder))
+    decoder = Decoder(session, head_dim=config["head_size"], layout=names.KV_SHARED)
+    reference = Reference.load(Path(reference_dir))
+    cfg = load_params(params_file).validation.eval
+    per_text = {
+        name: compare(decoder, text, cfg, reference.sequence_tokens)
+        | {"reference_perplexity": reference.perplexity[name]}
+        for name, text in reference.texts.items()
+    }
+    return quality_summary(per_text)
+
+
+def quality_summary(per_text: dict) -> dict:
+    """The worst over the evaluation texts, as validate reports a variant's."""
+    ratios = [t["perplexity"] / t["reference_perplexity"] for t in per_text.values()]
+    return {
+        "ppl_ratio": max(ratios),
+        "kl_divergence": max(t["kl_divergence"] for t in per_text.values()),
+        "top1_agreement": min(t["top1_agreement"] for t in per_text.values()),
+        "measured_by": "validate's texts and PyTorch reference",
+    }
+
+
+def quality(model: str, specs: dict[str, dict]) -> dict[str, dict]:
+    """Quality beside speed: ortforge's rows from their validate.json, onnxruntime-genai's measured
+    here the same way; engines that run the float model are the reference (ratio 1); llama.cpp's
+    GGUF is its own weights (not scored here)."""
+    found = {}
+    for name, spec in specs.items():
+        if spec["kind"] == "ort" and not spec.get("prompt_lookup"):
+            variant = Path(spec["path"]).name
+            validation = json.loads(paths.validate_json(model, variant).read_text(encoding="utf-8"))
+            found[name] = quality_summary(validation["texts"]) | {"measured_by": f"validate ({variant})"}
+        elif spec["kind"] == "genai":
+            print(f"  quality: {name}", flush=True)
+            found[name] = in_fresh_process(
+                genai_quality, spec["path"], str(paths.reference_dir(model)), str(REPO / "params.yaml")
+            )
+    return found
+
+
 def gguf_file(model: str) -> Path | None:
     """The GGUF the model was built from, when a package ships it (llama.cpp's peers run it)."""
     source = json.loads((paths.hf_dir(model) / paths.SOURCE_FILE).read_text(encoding="utf-8"))
@@ -110,7 +163,7 @@ def short_engines(model: str) -> dict[str, dict]:
         "PyTorch fp32, KV cache": {"kind": "torch-kv", "path": str(paths.hf_dir(model))},
         "optimum export fp32, ORT defaults": {"kind": "ort-plain", "path": str(optimum_fp32(model))},
     }
-    for name in ("fp32", "int8", "int8_smooth", "int4", "int4_mixed"):
+    for name in SHOWN_VARIANTS:
         if paths.variant_dir(model, name).is_dir():
             specs[f"ortforge {name}"] = {"kind": "ort", "path": variant(name), "tuned": True}
     if paths.variant_dir(model, "int4").is_dir():  # a different kind of speed-up, reported apart
@@ -125,6 +178,15 @@ def short_engines(model: str) -> dict[str, dict]:
     if (gguf := gguf_file(model)) is not None and importlib.util.find_spec("llama_cpp") is not None:
         specs[f"llama.cpp, {gguf.name.split('.')[-2]} GGUF"] = {"kind": "llamacpp", "path": str(gguf)}
     return specs
+
+
+def peer_versions(specs: dict[str, dict]) -> dict[str, str]:
+    """The version of each peer engine the run includes, as its package says."""
+    from importlib.metadata import version
+
+    packages = {"genai": "onnxruntime-genai", "llamacpp": "llama-cpp-python"}
+    kinds = {spec["kind"] for spec in specs.values()}
+    return {packages[kind]: version(packages[kind]) for kind in packages if kind in kinds}
 
 
 def chain_engines(model: str) -> dict[str, dict]:
@@ -187,19 +249,34 @@ def lighter(chain: dict) -> dict:
     return {"x_lighter": times[0] / times[-1], "x_lighter_than_kv_cache": times[1] / times[-1], "steps": steps}
 
 
+def settings(spec: dict) -> str:
+    """Which settings a row ran with: each engine at its best as a user gets it, said per row."""
+    return "tuned by bench (runtime.json)" if spec.get("tuned") else "the engine's defaults"
+
+
 def table(results: dict) -> str:
     lines = [
-        "| engine | decode tok/s | decode ms p50 / p95 | first token ms p50 / p95 | peak RSS MB | size MB "
-        "| roofline share |",
-        "|---|---|---|---|---|---|---|",
+        "| engine | settings | decode tok/s | decode ms p50 / p95 | first token ms p50 / p95 | peak RSS MB "
+        "| size MB | roofline share |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, r in sorted(results.items(), key=lambda item: item[1]["decode_tokens_per_second"]):
         lines.append(
-            f"| {name} | {r['decode_tokens_per_second']:.1f} | {r['decode_ms_per_token_p50']:.2f} / "
+            f"| {name} | {settings(r['spec'])} | {r['decode_tokens_per_second']:.1f} | "
+            f"{r['decode_ms_per_token_p50']:.2f} / "
             f"{r['decode_ms_per_token_p95']:.2f} | {r['seconds_to_first_token_p50'] * 1e3:.0f} / "
             f"{r['seconds_to_first_token_p95'] * 1e3:.0f} | {r['peak_rss_mb']:.0f} | {r['size_mb']:.0f} "
             f"| {r['share_of_roofline']:.0%} |"
         )
+    return "\n".join(lines)
+
+
+def quality_table(found: dict) -> str:
+    """Each quantized engine's quality on validate's texts, worst text, against PyTorch fp32."""
+    lines = ["| engine | ppl ratio | KL | top-1 | measured by |", "|---|---|---|---|---|"]
+    for name, q in sorted(found.items(), key=lambda item: item[1]["ppl_ratio"]):
+        figures = f"{q['ppl_ratio']:.3f} | {q['kl_divergence']:.4f} | {q['top1_agreement']:.3f}"
+        lines.append(f"| {name} | {figures} | {q['measured_by']} |")
     return "\n".join(lines)
 
 
@@ -268,15 +345,28 @@ def main(argv: list[str] | None = None) -> int:
     os.chdir(REPO)
     if not paths.variant_dir(args.model, "int4").is_dir():
         raise SystemExit(f"error: {paths.variant_dir(args.model, 'int4')} is missing; run `dvc repro` first")
+    shown = [v for v in SHOWN_VARIANTS if paths.variant_dir(args.model, v).is_dir()]
+    measured = provenance.model_outputs(args.model, shown, hf=True)
+    provenance.require_current(measured)
     bandwidth = memory_bandwidth_gb_s()
     print(f"memory read bandwidth ({os.cpu_count()} threads): {bandwidth:.1f} GB/s", flush=True)
     text = REPO / "data" / "eval" / "GPL-3.txt"
-    report = {"model": args.model, "cpus": os.cpu_count(), "memory_bandwidth_gb_s": bandwidth, "rounds": args.rounds}
+    engines_short = short_engines(args.model)
+    peers = peer_versions(engines_short)
+    report = {
+        "provenance": provenance.record(provenance.command("side_by_side.py", argv), measured, peers),
+        "model": args.model,
+        "cpus": os.cpu_count(),
+        "memory_bandwidth_gb_s": bandwidth,
+        "rounds": args.rounds,
+    }
     prompt_tokens, new_tokens = WORKLOADS["short"]
     print("short workload", flush=True)
     prompt = prompt_ids(paths.hf_dir(args.model), text, prompt_tokens)
-    report["short"] = run_workload(short_engines(args.model), prompt, new_tokens, args.rounds, bandwidth)
+    report["short"] = run_workload(engines_short, prompt, new_tokens, args.rounds, bandwidth)
+    report["quality"] = quality(args.model, engines_short)
     print(table(report["short"]))
+    print(quality_table(report["quality"]))
     for name, result in report["short"].items():
         if result["tokens_per_run"]:
             print(f"  {name}: {result['tokens_per_run']:.2f} decode tokens per model run")

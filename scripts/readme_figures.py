@@ -4,9 +4,12 @@ Every figure in the README sits between `<!-- figures: NAME -->` and `<!-- /figu
 says which result file it comes from (RENDERERS below). Run after a build or a benchmark:
 
     python scripts/readme_figures.py          # rewrite the blocks in README.md
-    python scripts/readme_figures.py --check  # exit 1 if any block differs from its result file
+    python scripts/readme_figures.py --check  # exit 1 if any block differs from its result file,
+                                              # or a result file describes artifacts dvc.lock
+                                              # no longer names (python -m benchmarks.refresh)
 
-tests/test_readme.py runs the check, so a README figure can never drift from its source.
+tests/test_readme.py runs the check, so a README figure can never drift from its source, nor its
+source from what is built.
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks import scale  # noqa: E402
-from benchmarks.side_by_side import chain_table, table  # noqa: E402
+from benchmarks import provenance, refresh, scale  # noqa: E402
+from benchmarks.side_by_side import chain_table, quality_table, table  # noqa: E402
+from tasks.reporting import gates  # noqa: E402
 
 README = REPO / "README.md"
 RESULTS = REPO / "benchmarks" / "results"
@@ -48,7 +52,7 @@ def report_summary(model: str) -> str:
     rows, best = report["variants"], report["recommended"]
     close = [v for v, r in sorted(rows.items(), key=lambda i: i[1]["size_mb"]) if r["ppl_ratio"] <= 1.01 and v != best]
     rule = report["rule"]
-    lines = [f"- {len(rows)} variants passed validation and were benchmarked."]
+    lines = [f"- {gates.count_sentence(report['validation']['counts'])} Every passing variant was benchmarked."]
     if best:
         lines.append(
             f"- Recommended (best {rule['recommend_by']} within perplexity x{rule['max_ppl_ratio']}): "
@@ -63,6 +67,36 @@ def _figures(row: dict) -> str:
     return f"{row['size_mb']:.1f} MB, perplexity x{row['ppl_ratio']:.3f}, {row['decode_tokens_per_second']:.1f} tok/s"
 
 
+def slower_than_fp32(model: str) -> str:
+    """The variants that decode no faster than fp32, with the factor, from report.json."""
+    rows = _json(REPO / "reports" / model / "report.json")["variants"]
+    fp32 = rows["fp32"]["decode_tokens_per_second"]
+    slow = {v: r["decode_tokens_per_second"] / fp32 for v, r in rows.items() if v != "fp32"}
+    slow = {v: ratio for v, ratio in slow.items() if ratio <= 1.0}
+    if not slow:
+        return "- Every variant decodes faster than fp32 on this machine."
+    listed = ", ".join(f"{v} at x{ratio:.2f}" for v, ratio in sorted(slow.items(), key=lambda i: i[1]))
+    return (
+        f"- Slower than fp32 at decode on this machine: {listed} of fp32's tokens/s (onnxruntime has no fast "
+        "fp16 matrix kernels for this CPU; static QDQ int8 dequantizes every weight on every run); their "
+        "figures are here to say so."
+    )
+
+
+def tuned_settings(model: str = "smollm2-135m", variant: str = "int4") -> str:
+    """How the settings bench chose for variant differ from onnxruntime's defaults, from its runtime.json."""
+    from ortforge.session import SessionSettings
+
+    path = REPO / "artifacts" / model / "variants" / f"{variant}.runtime.json"
+    chosen, defaults = _json(path)["session"], SessionSettings().to_dict()
+    differ = [f"{key} {chosen[key]} (default {defaults[key]})" for key in defaults if chosen.get(key) != defaults[key]]
+    said = "; ".join(differ) if differ else "none: the sweep found nothing faster than the defaults"
+    return (
+        f"The settings bench chose for {variant} (`{path.relative_to(REPO)}`) differ from onnxruntime's defaults in: "
+        f"{said}. The `+ tuned session settings` row is what they change here."
+    )
+
+
 def architectures() -> str:
     return (RESULTS / "architectures.md").read_text(encoding="utf-8").strip()
 
@@ -72,6 +106,10 @@ def side_by_side_short() -> str:
     return f"Read bandwidth measured in this run: {report['memory_bandwidth_gb_s']:.1f} GB/s.\n\n" + table(
         report["short"]
     )
+
+
+def side_by_side_quality() -> str:
+    return quality_table(_json(RESULTS / "side_by_side.json")["quality"])
 
 
 def side_by_side_chain() -> str:
@@ -199,8 +237,10 @@ def kv_cache() -> str:
     top = max(base["decode_ms_p50"], key=int)
     lines = [
         f"{report['steps']} greedy decode steps after a prefill of each context, {report['rounds']} interleaved "
-        f"rounds, {report['cpus']} cores; server RSS with {base['server']['streams']} concurrent requests of "
-        f"{base['server']['context_tokens']} tokens:",
+        f"rounds, {report['cpus']} cores, every variant with {reference}'s tuned session settings; server RSS "
+        f"(each variant's own settings) with {base['server']['streams']} concurrent requests of "
+        f"{base['server']['context_tokens']} tokens; cached-decode gap: the largest change of a token's probability "
+        "between cached decode and a full pass over a float cache (validate):",
         "",
         kv_table(report),
         "",
@@ -232,6 +272,7 @@ RENDERERS = {
     "scale-runtime": lambda: scale.runtime_table(_json(RESULTS / "scale.json")),
     "scale-goals": lambda: scale.goals(_json(RESULTS / "scale.json")),
     "side-by-side-short": side_by_side_short,
+    "side-by-side-quality": side_by_side_quality,
     "side-by-side-chain": side_by_side_chain,
     "side-by-side-goals": side_by_side_goals,
     "cache-reuse": cache_reuse,
@@ -240,6 +281,8 @@ RENDERERS = {
     "serving-goals": serving_goals,
     "kv-cache": kv_cache,
     "under-load-smollm2-135m": lambda: report_table("smollm2-135m", "Under load"),
+    "slower-than-fp32-smollm2-135m": lambda: slower_than_fp32("smollm2-135m"),
+    "tuned-settings": tuned_settings,
 }
 
 
@@ -256,17 +299,40 @@ def render(text: str) -> str:
     return BLOCK.sub(fill, text)
 
 
+def outdated_sources() -> tuple[list[str], list[str]]:
+    """(errors, warnings) about the files the blocks come from. Errors: a report that is not the
+    output dvc.lock records, a result whose measured artifacts dvc.lock now names with other hashes.
+    Warnings: results from before provenance was recorded, which nothing can check."""
+    outputs = provenance.lock_outputs()
+    errors, warnings = [], []
+    for path in sorted((REPO / "reports").glob("*/report.*")):
+        relative = str(path.relative_to(REPO))
+        locked = outputs.get(relative, {}).get("md5")
+        if locked is not None and locked != provenance.file_md5(path):
+            errors.append(f"{relative} is not what dvc.lock records for {outputs[relative]['stage']}; run `dvc repro`")
+    for name, reasons in refresh.stale(outputs).items():
+        for reason in reasons:
+            found = f"benchmarks/results/{name}: {reason}; refresh: {refresh.command(name)}"
+            (warnings if reason == provenance.UNRECORDED else errors).append(found)
+    return errors, warnings
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="only check; exit 1 if a block is stale")
+    parser.add_argument("--check", action="store_true", help="only check; exit 1 if a block or its source is stale")
     args = parser.parse_args(argv)
     text = README.read_text(encoding="utf-8")
     filled = render(text)
     if args.check:
+        errors, warnings = outdated_sources()
+        for warning in warnings:
+            print(f"warning: {warning}")
+        for error in errors:
+            print(f"error: {error}")
         if filled != text:
             print("error: README figure blocks differ from their result files; run python scripts/readme_figures.py")
             return 1
-        return 0
+        return 1 if errors else 0
     README.write_text(filled, encoding="utf-8")
     print(f"filled {len(BLOCK.findall(text))} figure blocks in {README.name}")
     return 0

@@ -1,0 +1,110 @@
+"""What a result file measured, so a figure can be told apart from one about an artifact that no
+longer exists: the code commit, and the hashes dvc.lock gives the DVC outputs it read (artifacts,
+their runtime settings and validation stamps, the HF folder PyTorch ran), the command that
+measures it again, and the peers' versions.
+
+Every benchmark writes `provenance` into its result file (record()); `scripts/readme_figures.py
+--check` fails when a recorded hash differs from dvc.lock's now (stale()), naming the file and its
+refresh command; `python -m benchmarks.refresh` runs the refresh command of every stale file.
+A benchmark that builds what it measures (random-weight models, its own throwaway project)
+records the commit alone: nothing in dvc.lock describes it.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterable
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+LOCK = REPO / "dvc.lock"
+CODE = ("tasks", "ortforge", "benchmarks", "flows")  # what a measurement runs, besides the artifacts
+UNRECORDED = "it records no provenance (measured before result files said what they measured)"
+
+
+def lock_outputs(lock: Path = LOCK) -> dict[str, dict]:
+    """Every output dvc.lock records: path -> {stage, md5}."""
+    stages = (yaml.safe_load(lock.read_text(encoding="utf-8")) or {}).get("stages", {})
+    found = {}
+    for name, stage in stages.items():
+        for out in stage.get("outs", []):
+            found[out["path"]] = {"stage": name, "md5": out["md5"]}
+    return found
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def model_outputs(model: str, variants: Iterable[str], hf: bool = False) -> list[str]:
+    """The DVC outputs a runtime measurement of model's variants reads: each variant's folder, the
+    settings bench tuned for it and its validation stamp; with hf, the HF folder (PyTorch's rows)."""
+    base = f"artifacts/{model}"
+    paths = [f"{base}/hf"] if hf else []
+    for variant in variants:
+        paths += [f"{base}/variants/{variant}", f"{base}/variants/{variant}.runtime.json"]
+        paths.append(f"{base}/variants/{variant}.valid.json")
+    return paths
+
+
+def require_current(paths: list[str]) -> None:
+    """SystemExit, before measuring, when an output is not in dvc.lock or differs from it on disk
+    (a result would record hashes of something other than what it measured)."""
+    outputs = lock_outputs()
+    unknown = [path for path in paths if path not in outputs]
+    if unknown:
+        raise SystemExit(f"error: {', '.join(unknown)} not in dvc.lock; run `dvc repro` first")
+    stages = sorted({outputs[path]["stage"] for path in paths})
+    status = subprocess.run(
+        ["dvc", "status", "--quiet", *stages], cwd=REPO, capture_output=True, text=True, check=False
+    )
+    if status.returncode != 0:
+        said = status.stdout.strip() or status.stderr.strip()
+        raise SystemExit(
+            f"error: what {', '.join(stages)} built differs from dvc.lock ({said}); run `dvc repro` first, so the "
+            "figures describe what dvc.lock names"
+        )
+
+
+def command(script: str, argv: list[str] | None) -> str:
+    """The command line that ran script with argv (sys.argv's when None): what refreshes its file."""
+    import shlex
+    import sys
+
+    return shlex.join(["python", f"benchmarks/{script}", *(sys.argv[1:] if argv is None else argv)])
+
+
+def file_md5(path: Path) -> str:
+    """The hash dvc.lock gives a single-file output (md5 of its bytes)."""
+    import hashlib
+
+    return hashlib.md5(path.read_bytes()).hexdigest()
+
+
+def record(refresh: str, paths: list[str] = (), peers: dict | None = None) -> dict:
+    """The provenance a result file carries: the command that refreshes it, the commit (and
+    whether the code differed from it), dvc.lock's hashes of paths, and the peers' versions."""
+    outputs = lock_outputs() if paths else {}
+    return {
+        "refresh": refresh,
+        "commit": _git("rev-parse", "HEAD"),
+        "code_modified": bool(_git("status", "--porcelain", "--", *CODE)),
+        "measured": {path: outputs[path]["md5"] for path in paths},
+        "peers": peers or {},
+    }
+
+
+def stale(result: dict, outputs: dict[str, dict] | None = None) -> list[str]:
+    """Why result no longer describes what dvc.lock names ([] when it does)."""
+    found = result.get("provenance")
+    if not found:
+        return [UNRECORDED]
+    outputs = lock_outputs() if outputs is None else outputs
+    reasons = []
+    for path, md5 in found["measured"].items():
+        now = outputs.get(path, {}).get("md5")
+        if now != md5:
+            reasons.append(f"{path} is {now or 'no longer built'} in dvc.lock, {md5} when measured")
+    return reasons
