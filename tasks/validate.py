@@ -32,6 +32,7 @@ from tasks.evaluation.metrics import (
     full_pass_logits,
     greedy,
     matching_prefix,
+    windowed_kl,
 )
 from tasks.graphs import onnx_io
 from tasks.quantization import coverage, kv_cache
@@ -116,6 +117,7 @@ GATES = (  # (name, the worst value over the texts, whether the value must stay 
     ("top1_agreement", min, False),
     ("greedy_agreement", min, False),
     ("kv_max_prob_diff", max, True),
+    ("kv_cache_kl", max, True),  # a quantized KV cache's only
 )
 
 
@@ -128,9 +130,9 @@ def greedy_agreement(decoder, text: TextReference) -> float:
 
 
 def measure_text(
-    decoder, cached, full_pass, text: TextReference, cfg: EvalConfig, sequence: int, reference_ppl: float
+    decoder, cached, float_cache, text: TextReference, cfg: EvalConfig, sequence: int, reference_ppl: float
 ) -> dict:
-    """The figures of one text; cached and full_pass: the cache check's decoders (None: decoder's own)."""
+    """The figures of one text; cached and float_cache: the cache checks' decoders (cache_check_decoders)."""
     figures = compare(decoder, text, cfg, sequence)
     matched = matching_prefix(greedy(decoder, text.greedy_prompt, len(text.greedy_tokens)), text.greedy_tokens)
     return figures | {
@@ -139,8 +141,18 @@ def measure_text(
         "greedy_agreement": greedy_agreement(decoder, text),
         "greedy_tokens_matched": matched,  # free-running: how long the two continuations stay equal
         "greedy_steps": len(text.greedy_tokens),
-        "kv_max_prob_diff": cached_decode_gap(cached or decoder, text.ids, cfg.kv_prefill, cfg.kv_steps, full_pass),
+        **cache_figures(cached or decoder, float_cache, text.ids, cfg, sequence),
     }
+
+
+def cache_figures(checked, float_cache, ids: np.ndarray, cfg: EvalConfig, sequence: int) -> dict:
+    """kv_max_prob_diff: the cache as a mechanism, cached decode against a full pass of the same
+    graph; kv_cache_kl, for a quantized cache: what storing it costs, the mean KL of the whole text
+    run through it from the same run over a float cache (both with float compute)."""
+    figures = {"kv_max_prob_diff": cached_decode_gap(checked, ids, cfg.kv_prefill, cfg.kv_steps)}
+    if float_cache is not None:
+        figures["kv_cache_kl"] = windowed_kl(float_cache, checked, ids, cfg.window, sequence)
+    return figures
 
 
 def float_compute(graph) -> int:
@@ -161,10 +173,10 @@ def float_compute(graph) -> int:
 
 
 def cache_check_decoders(variant_dir: Path, scratch: Path) -> tuple:
-    """Two decoders for the cached-decode check, over the variant's graph with float compute
-    (float_compute: int8-activation kernels round one token differently from many, which
-    would hide the cache's own error): one with the variant's cache, and, for the full pass, one
-    with a float cache (a quantized cache's own full pass reads the same quantized cache)."""
+    """The decoders the cache checks run, over the variant's graph with float compute (float_compute:
+    int8-activation kernels round one token differently from many, which would hide the cache's own
+    behaviour): one with the variant's cache (None: no MatMulNBits to change, the variant itself),
+    and for a quantized cache one with a float cache (None for a float cache)."""
     import onnx
 
     from ortforge.decoder import Decoder
@@ -190,15 +202,15 @@ def measure(variant_dir: Path, reference: Reference, cfg: EvalConfig) -> dict:
 
     decoder = Decoder(create_session(variant_dir))
     with tempfile.TemporaryDirectory() as scratch:
-        cached, full_pass = cache_check_decoders(variant_dir, Path(scratch))
+        cached, float_cache = cache_check_decoders(variant_dir, Path(scratch))
         per_text = {
             name: measure_text(
-                decoder, cached, full_pass, text, cfg, reference.sequence_tokens, reference.perplexity[name]
+                decoder, cached, float_cache, text, cfg, reference.sequence_tokens, reference.perplexity[name]
             )
             for name, text in reference.texts.items()
         }
     first = next(iter(per_text.values()))
-    worst = {name: pick(figures[name] for figures in per_text.values()) for name, pick, _ in GATES}
+    worst = {name: pick(figures[name] for figures in per_text.values()) for name, pick, _ in GATES if name in first}
     return {
         **worst,
         "perplexity": first["perplexity"],  # of the first text, the one the report shows
@@ -208,7 +220,7 @@ def measure(variant_dir: Path, reference: Reference, cfg: EvalConfig) -> dict:
         "max_logit_diff": max(figures["max_logit_diff"] for figures in per_text.values()),
         "kv_check": {
             "float_compute": cached is not None,  # MatMulNBits at accuracy_level 0 on both sides
-            "full_pass_over": "a float cache" if full_pass else "the variant's own cache (a float one)",
+            "quantized_cache_against_float_cache": float_cache is not None,
         },
         "sequence_tokens": reference.sequence_tokens,
         "tokens_scored": first["tokens_scored"],  # per text
@@ -257,10 +269,13 @@ def measure_coverage(variant_dir: Path, recipe: QuantizeConfig) -> dict:
 
 def checks(figures: dict, asked: Asked) -> list[Check]:
     limits = asked.limits
+    if "kv_cache_kl" in figures and limits.kv_cache_kl is None:
+        raise StageError("a quantized KV cache needs a kv_cache_kl limit (params.yaml validate.thresholds.<variant>)")
     found = [
         Check(name, values[name], getattr(limits, name), upper, text=text, goal=asked.goal(name))
         for text, values in figures["texts"].items()
         for name, _, upper in GATES
+        if name in values
     ]
     covered = figures["coverage"]
     found.append(Check("coverage", covered["share_as_asked"], 1.0, upper_bound=False))

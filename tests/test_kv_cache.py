@@ -27,7 +27,9 @@ from tasks.quantization.configs import quantize_config
 from tests.conftest import WEIGHT_ONLY
 
 INT4_KV8 = {**WEIGHT_ONLY, "kv_cache": "int8"}
-LOOSE = Thresholds(ppl_ratio=1e9, kl_divergence=1e9, top1_agreement=0.0, greedy_agreement=0.0, kv_max_prob_diff=1.0)
+LOOSE = Thresholds(
+    ppl_ratio=1e9, kl_divergence=1e9, top1_agreement=0.0, greedy_agreement=0.0, kv_max_prob_diff=1.0, kv_cache_kl=1e9
+)
 
 
 @pytest.fixture(scope="module")
@@ -176,21 +178,27 @@ def with_kv_scales_times(variant_dir, dest, factor: float):
     return dest
 
 
-def test_the_cached_decode_gate_sees_the_quantized_cache_error(built, kv_variants, params, tmp_path):
-    """The cache's own full pass reads the same quantized cache as cached decode: the gate compares
-    with the float-cache graph's full pass instead, on every text, and fails a bad scale."""
-    # The tiny random model's probabilities are flat: its calibrated cache moves them by about 5e-4,
-    # scales clipping at a fiftieth of the range by about 3e-2.
-    asked = validate.Asked(quantize_config(**INT4_KV8), LOOSE.model_copy(update={"kv_max_prob_diff": 0.01}))
+def test_the_cache_gates_see_the_quantized_cache_error(built, kv_variants, params, tmp_path):
+    """A quantized cache's own full pass reads the same quantized cache: the cost of storing it is
+    measured against the same graph over a float cache (kv_cache_kl), on every text, and a bad
+    scale fails it while the cache as a mechanism (kv_max_prob_diff) still holds."""
+    limits = LOOSE.model_copy(update={"kv_cache_kl": 0.01, "kv_max_prob_diff": 0.01})
+    asked = validate.Asked(quantize_config(**INT4_KV8), limits)
     good = validate.run(
         params.validation.eval, asked, kv_variants["int4_kv8"], built["reference"], tmp_path / "good.json", "int4_kv8"
     )
-    gaps = [text["kv_max_prob_diff"] for text in good["texts"].values()]
-    assert len(gaps) == 2 and all(0 < gap < 0.01 for gap in gaps)
-    assert good["kv_check"] == {"float_compute": True, "full_pass_over": "a float cache"}
+    costs = [text["kv_cache_kl"] for text in good["texts"].values()]
+    assert len(costs) == 2 and all(0 < cost < 0.01 for cost in costs)
+    assert good["kv_check"] == {"float_compute": True, "quantized_cache_against_float_cache": True}
     clipped = with_kv_scales_times(kv_variants["int4_kv8"], tmp_path / "clipped", 0.02)
-    with pytest.raises(validate.ValidationFailed, match=r"kv_max_prob_diff\[GPL-3.txt\] [\d.e-]+ > 0.01"):
+    with pytest.raises(validate.ValidationFailed, match=r"kv_cache_kl\[GPL-3.txt\] [\d.e-]+ > 0.01") as failed:
         validate.run(params.validation.eval, asked, clipped, built["reference"], tmp_path / "bad.json", "int4_kv8")
+    assert "kv_max_prob_diff" not in str(failed.value)
+    float_cache = validate.Asked(quantize_config(**WEIGHT_ONLY), LOOSE)
+    figures = validate.run(
+        params.validation.eval, float_cache, built["int4"], built["reference"], tmp_path / "f.json", "int4"
+    )
+    assert all("kv_cache_kl" not in text for text in figures["texts"].values())  # a float cache costs nothing
 
 
 def test_the_float_cache_twin_stores_float_and_keeps_every_weight(kv_variants):
@@ -201,3 +209,15 @@ def test_the_float_cache_twin_stores_float_and_keeps_every_weight(kv_variants):
     assert scales and {t.name for t in twin.graph.initializer} == {t.name for t in graph.graph.initializer} - scales
     assert names.KV_CACHE_BITS_KEY not in {prop.key for prop in twin.metadata_props}
     assert kv_cache.stored_bits(graph) == 8  # the original is untouched
+
+
+def test_a_quantized_cache_without_a_cost_limit_is_refused_in_params(tiny_hf):
+    from tasks.core.params import Params
+    from tests.conftest import tiny_params
+
+    values = tiny_params(tiny_hf)
+    values["quantize"]["int4"] = INT4_KV8
+    with pytest.raises(ValueError, match=r"validate.thresholds of \['int4'\] set no kv_cache_kl"):
+        Params.model_validate(values)
+    values["validate"]["thresholds"]["int4"]["kv_cache_kl"] = 0.01
+    assert Params.model_validate(values).validation.thresholds["int4"].kv_cache_kl == 0.01

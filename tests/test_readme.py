@@ -87,3 +87,23 @@ def test_a_report_that_is_not_the_locked_output_is_an_error(monkeypatch):
     monkeypatch.setattr(readme_figures.provenance, "lock_outputs", lambda: changed)
     errors, _ = readme_figures.outdated_sources()
     assert f"{report.relative_to(REPO)} is not what dvc.lock records for report@smollm2-135m; run `dvc repro`" in errors
+
+
+def test_a_measurement_records_the_locked_hashes_of_what_it_read():
+    from benchmarks import provenance
+
+    path = "artifacts/smollm2-135m/hf"
+    found = provenance.record("python benchmarks/x.py --model smollm2-135m", [path])
+    assert found["measured"] == {path: provenance.lock_outputs()[path]["md5"]}
+    assert len(found["commit"]) == 40 and found["refresh"] == "python benchmarks/x.py --model smollm2-135m"
+    with pytest.raises(SystemExit, match="artifacts/nothing not in dvc.lock; run `dvc repro` first"):
+        provenance.require_current(["artifacts/nothing"])
+
+
+def test_refresh_lists_every_result_file_with_its_state_and_command(capsys):
+    from benchmarks import refresh
+
+    assert refresh.main(["--list"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in listed] == list(refresh.COMMANDS)
+    assert all(line.endswith(")") and "python benchmarks/" in line for line in listed)

@@ -148,6 +148,9 @@ class Thresholds(Strict):
         ge=0, le=1, description="smallest share of the reference's greedy tokens it predicts, given their prefix"
     )
     kv_max_prob_diff: Float = Field(gt=0, description="largest |p(cached decode) - p(full pass)| of any token")
+    kv_cache_kl: Float | None = Field(
+        None, gt=0, description="a quantized KV cache: largest mean KL(float cache || quantized cache), nats per token"
+    )
     # Logits have a model-dependent scale: reported always, a gate only where a model sets one.
     max_logit_diff: Float | None = Field(None, gt=0, description="largest |logit - reference logit|")
 
@@ -160,6 +163,7 @@ class ThresholdOverrides(Strict):
     top1_agreement: Float | None = Field(None, ge=0, le=1)
     greedy_agreement: Float | None = Field(None, ge=0, le=1)
     kv_max_prob_diff: Float | None = Field(None, gt=0)
+    kv_cache_kl: Float | None = Field(None, gt=0)
     max_logit_diff: Float | None = Field(None, gt=0)
 
 
@@ -258,6 +262,22 @@ class Params(Strict):
         missing = sorted(set(self.quantize) - set(self.validation.thresholds))
         if missing:
             raise ValueError(f"validate.thresholds has no entry for variant(s) {missing}; add one per variant")
+        return self
+
+    @model_validator(mode="after")
+    def _quantized_caches_have_a_limit(self) -> Params:
+        missing = [
+            name
+            for name, recipe in self.quantize.items()
+            if recipe.kv_bits is not None
+            and name in self.validation.thresholds
+            and self.validation.thresholds[name].kv_cache_kl is None
+        ]
+        if missing:
+            raise ValueError(
+                f"validate.thresholds of {missing} set no kv_cache_kl: a quantized KV cache needs the largest KL "
+                "from its float cache it may cost (e.g. 0.01, int8's budget)"
+            )
         return self
 
     @model_validator(mode="after")

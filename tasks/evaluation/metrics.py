@@ -195,18 +195,44 @@ def softmax(logits: np.ndarray) -> np.ndarray:
     return np.exp(log_softmax(logits.astype(np.float64)))
 
 
-def cached_decode_gap(decoder, ids: np.ndarray, prefill: int, steps: int, full_pass=None) -> float:
-    """Largest change of any token's probability between prefill + one-token steps through the cache
-    and one full pass over the same tokens (by full_pass, a decoder of the same weights with a float
-    cache, where decoder's cache is quantized: its own full pass reads the same quantized cache)."""
-    tokens = ids[: prefill + steps]
-    full = full_pass_logits(full_pass or decoder, tokens)
-    logits, cache = decoder.forward(tokens[:prefill], decoder.empty_cache())
+def stepped_logits(decoder, ids: np.ndarray, prefill: int, steps: int) -> np.ndarray:
+    """The logits of a prefill of ids[:prefill], then of one-token steps through the cache."""
+    logits, cache = decoder.forward(ids[:prefill], decoder.empty_cache())
     stepped = [logits]
-    for token in tokens[prefill:]:
+    for token in ids[prefill : prefill + steps]:
         logits, cache = decoder.forward([int(token)], cache)
         stepped.append(logits)
-    return float(np.abs(softmax(np.concatenate(stepped)) - softmax(full)).max())
+    return np.concatenate(stepped)
+
+
+def largest_probability_change(logits: np.ndarray, other: np.ndarray) -> float:
+    return float(np.abs(softmax(logits) - softmax(other)).max())
+
+
+def mean_kl(reference_logits: np.ndarray, logits: np.ndarray) -> float:
+    """Mean over positions of KL(softmax(reference) || softmax(logits)), nats per token."""
+    reference_lp, lp = log_softmax(reference_logits.astype(np.float64)), log_softmax(logits.astype(np.float64))
+    return float((np.exp(reference_lp) * (reference_lp - lp)).sum(-1).mean())
+
+
+def windowed_kl(reference_decoder, decoder, ids: np.ndarray, window: int, sequence: int) -> float:
+    """Mean KL(reference_decoder || decoder) per token over ids, both run as compare() runs a
+    variant: windows, the cache carrying the context."""
+    total = 0.0
+    reference_windows = windows(reference_decoder, ids[:-1], window, sequence)
+    pairs = zip(reference_windows, windows(decoder, ids[:-1], window, sequence), strict=True)
+    for (_, reference_logits), (_, logits) in pairs:
+        total += mean_kl(np.asarray(reference_logits), np.asarray(logits)) * len(logits)
+    return total / (len(ids) - 1)
+
+
+def cached_decode_gap(decoder, ids: np.ndarray, prefill: int, steps: int) -> float:
+    """Largest change of any token's probability between prefill + one-token steps through the cache
+    and one full pass over the same tokens."""
+    tokens = ids[: prefill + steps]
+    return largest_probability_change(
+        stepped_logits(decoder, tokens, prefill, steps), full_pass_logits(decoder, tokens)
+    )
 
 
 def matching_prefix(tokens: np.ndarray, reference: np.ndarray) -> int:

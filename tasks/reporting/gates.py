@@ -12,6 +12,7 @@ TEXT_GATES = (
     ("top1_agreement", "top-1"),
     ("greedy_agreement", "greedy"),
     ("kv_max_prob_diff", "KV gap"),
+    ("kv_cache_kl", "KV cache KL"),  # a quantized cache's only
 )
 
 
@@ -83,7 +84,8 @@ def markdown(model: str, validations: dict[str, dict]) -> list[str]:
         "",
         "Each cell: the variant's value on that text, the limit, and the margin inside it (negative: "
         "failed). `*`: a limit the build replaced (see below). KV gap: the largest change of any token's "
-        "probability between cached decode and a full pass over a float cache.",
+        "probability between cached decode and a full pass (float compute); KV cache KL: for a quantized "
+        "cache, the mean KL of the text run through it from the same run over a float cache.",
         "",
         "| variant | kind | text | " + " | ".join(title for _, title in TEXT_GATES) + " |",
         "|" + "---|" * (3 + len(TEXT_GATES)),
@@ -91,7 +93,9 @@ def markdown(model: str, validations: dict[str, dict]) -> list[str]:
     for variant, validation in validations.items():
         for text in texts(validation):
             checks = validation["checks"]
-            cells = " | ".join(cell(checks[f"{gate}[{text}]"]) for gate, _ in TEXT_GATES)
+            cells = " | ".join(
+                cell(checks[f"{gate}[{text}]"]) if f"{gate}[{text}]" in checks else "-" for gate, _ in TEXT_GATES
+            )
             lines.append(f"| {variant} | {validation['role']} | {text} | {cells} |")
     lines += [
         "",
