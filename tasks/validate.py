@@ -238,15 +238,12 @@ def asked_widths(recipe: QuantizeConfig, manifest: dict) -> QuantizeConfig:
 
 
 def tied_embeddings(config_file: Path) -> bool | None:
-    """Whether the model's config ties its token lookup to its output layer; None where it does not
-    say (the default differs between model classes)."""
-    if not config_file.is_file():
-        return None
-    config = read_json(config_file)
-    for section in (config, config.get("text_config") or {}):
-        if "tie_word_embeddings" in section:
-            return bool(section["tie_word_embeddings"])
-    return None
+    """True where the model's config ties its token lookup to its output layer; otherwise None, and
+    the graph decides: a config may not say (defaults differ between model classes), and an
+    exporter stores two equal matrices once, so an untied config can have a shared lookup."""
+    config = read_json(config_file) if config_file.is_file() else {}
+    sections = (config, config.get("text_config") or {})
+    return True if any(section.get("tie_word_embeddings") for section in sections) else None
 
 
 def measure_coverage(variant_dir: Path, recipe: QuantizeConfig) -> dict:
