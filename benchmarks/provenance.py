@@ -12,6 +12,7 @@ records the commit alone: nothing in dvc.lock describes it.
 
 from __future__ import annotations
 
+import os
 import subprocess
 from collections.abc import Iterable
 from pathlib import Path
@@ -94,6 +95,26 @@ def record(refresh: str, paths: list[str] = (), peers: dict | None = None) -> di
         "measured": {path: outputs[path]["md5"] for path in paths},
         "peers": peers or {},
     }
+
+
+def stale_stages(root: Path = REPO) -> list[str]:
+    """The stages whose code, params or inputs changed since dvc.lock recorded them: the figures
+    of their outputs describe artifacts that are no longer what the project builds. Asks DVC, as
+    .github/workflows/lock.yml does; needs no data (absent outputs do not count)."""
+    import re
+    import sys
+
+    said = subprocess.run(
+        [sys.executable, "-m", "dvc", "repro", "--allow-missing", "--dry"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "DVC_NO_ANALYTICS": "1"},
+    )
+    found = re.findall(r"(?:Running stage|failed to reproduce) '([^']+)'", said.stdout + said.stderr)
+    if said.returncode != 0 and not found:
+        raise RuntimeError(f"dvc repro --dry failed: {(said.stderr or said.stdout).strip()[-500:]}")
+    return sorted(set(found))
 
 
 def stale(result: dict, outputs: dict[str, dict] | None = None) -> list[str]:

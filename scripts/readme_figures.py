@@ -305,6 +305,11 @@ def outdated_sources() -> tuple[list[str], list[str]]:
     Warnings: results from before provenance was recorded, which nothing can check."""
     outputs = provenance.lock_outputs()
     errors, warnings = [], []
+    for stage in provenance.stale_stages():
+        errors.append(
+            f"stage {stage} changed since dvc.lock (code, params or inputs): what it built, and every figure "
+            "from it, is not what the project builds now; run `ortforge build` (or `dvc repro`)"
+        )
     for path in sorted((REPO / "reports").glob("*/report.*")):
         relative = str(path.relative_to(REPO))
         locked = outputs.get(relative, {}).get("md5")

@@ -70,6 +70,7 @@ def test_a_result_about_a_rebuilt_artifact_is_named_with_its_refresh_command(tmp
     monkeypatch.setattr(refresh, "RESULTS", results)
     outputs = provenance.lock_outputs(lock)
     monkeypatch.setattr(readme_figures.provenance, "lock_outputs", lambda: outputs)
+    monkeypatch.setattr(readme_figures.provenance, "stale_stages", lambda: [])
     errors, warnings = readme_figures.outdated_sources()
     assert errors == [
         "benchmarks/results/kv_cache.json: artifacts/m/variants/int4 is bbb.dir in dvc.lock, aaa.dir when measured; "
@@ -85,6 +86,7 @@ def test_a_report_that_is_not_the_locked_output_is_an_error(monkeypatch):
     locked = provenance.lock_outputs()
     changed = {**locked, "reports/smollm2-135m/report.json": {"stage": "report@smollm2-135m", "md5": "0" * 32}}
     monkeypatch.setattr(readme_figures.provenance, "lock_outputs", lambda: changed)
+    monkeypatch.setattr(readme_figures.provenance, "stale_stages", lambda: [])
     errors, _ = readme_figures.outdated_sources()
     assert f"{report.relative_to(REPO)} is not what dvc.lock records for report@smollm2-135m; run `dvc repro`" in errors
 
@@ -107,3 +109,10 @@ def test_refresh_lists_every_result_file_with_its_state_and_command(capsys):
     listed = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in listed] == list(refresh.COMMANDS)
     assert all(line.endswith(")") and "python benchmarks/" in line for line in listed)
+
+
+def test_a_stage_whose_code_changed_makes_the_check_name_it(monkeypatch):
+    """The figures of a stage DVC would rerun describe what the project no longer builds."""
+    monkeypatch.setattr(readme_figures.provenance, "stale_stages", lambda: ["quantize@smollm2-135m-int4"])
+    errors, _ = readme_figures.outdated_sources()
+    assert any(e.startswith("stage quantize@smollm2-135m-int4 changed since dvc.lock") for e in errors)

@@ -122,3 +122,15 @@ def test_metrics_diff_step_writes_the_job_summary(pushed, tmp_path):
     text = summary.read_text()
     assert text.startswith(f"## Metrics against {base}")
     assert "| Path" in text and "reports/tiny/variants/int4/validate.json" in text
+
+
+def test_the_readme_check_names_the_stages_an_edit_made_stale(pushed):
+    """What readme_figures --check asks: a fresh clone (no data) whose params changed names the
+    stages that would rebuild, and only those."""
+    from benchmarks import provenance
+
+    clone = fresh_clone(pushed, "stale-stages")
+    assert provenance.stale_stages(clone) == []
+    set_param(clone, ["quantize", "int4", "block_size"], 64)
+    stale = provenance.stale_stages(clone)
+    assert "quantize@tiny-int4" in stale and not any(stage.endswith("-fp32") for stage in stale)
