@@ -10,6 +10,7 @@ The same pipeline is tests/test_architectures.py's fixture; this script records 
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import tempfile
@@ -67,7 +68,8 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)  # --help, and no stray flags
     rows = []
     with tempfile.TemporaryDirectory(prefix="ortforge-architectures-") as scratch:
         for family in families.FAMILIES:
@@ -75,7 +77,7 @@ def main() -> int:
             print(f"{family}: {rows[-1]['exporter']}, runtime vs PyTorch {rows[-1]['runtime_vs_pytorch']:.1e}")
     RESULTS.mkdir(parents=True, exist_ok=True)
     # Tiny random models it builds itself: nothing in dvc.lock describes them, the commit does.
-    found = {"provenance": provenance.record(provenance.command("architectures.py", [])), "rows": rows}
+    found = {"provenance": provenance.record(provenance.command("architectures.py", argv)), "rows": rows}
     (RESULTS / "architectures.json").write_text(json.dumps(found, indent=2) + "\n", encoding="utf-8")
     (RESULTS / "architectures.md").write_text(markdown(rows), encoding="utf-8")
     print(markdown(rows))
