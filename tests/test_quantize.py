@@ -38,7 +38,12 @@ def test_variants_use_their_quantized_operators(built):
     [
         (quantize_config(method="int8_dynamic"), "DynamicQuantizeMatMul"),
         (quantize_config(method="int8_static", calibrate="minmax"), "QuantizeLinear"),
-        (quantize_config(method="int8_static", calibrate="percentile", keep_float=("down_proj",)), "QuantizeLinear"),
+        (
+            quantize_config(
+                method="int8_static", calibrate="percentile", keep_float=("down_proj",), max_float_share=0.5
+            ),
+            "QuantizeLinear",
+        ),
     ],
     ids=["dynamic", "static-minmax", "static-percentile-keep-down"],
 )

@@ -74,7 +74,12 @@ def test_outlier_ratio_is_the_peak_token_against_the_median_token():
 
 def test_smoothed_int8_recipe_builds_a_running_variant(built, float_dir, tmp_path):
     cfg = quantize_config(
-        method="int8_dynamic", weight_type="QInt8", per_channel=True, smooth_alpha=0.5, outlier_ratio=1.5
+        method="int8_dynamic",
+        weight_type="QInt8",
+        per_channel=True,
+        smooth_alpha=0.5,
+        outlier_ratio=1.5,
+        max_float_share=0.9,
     )
     assert needs_calibration(cfg)
     result = quantize.run(cfg, built["optimized"], built["hf"], tmp_path / "v", {}, CALIBRATION)
@@ -99,3 +104,5 @@ def test_smoothing_options_belong_to_int8_methods():
         quantize_config(method="weight_only", smooth_alpha=0.5)
     with pytest.raises(ValueError, match="outlier_ratio"):
         quantize_config(method="int8_dynamic", outlier_ratio=0.5)
+    with pytest.raises(ValueError, match="set max_float_share to the largest share of matmul weights"):
+        quantize_config(method="int8_static", keep_float=("down_proj",))
