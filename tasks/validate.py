@@ -21,7 +21,7 @@ import numpy as np
 from ortforge.manifest import read_manifest, sha256_file, validation_stamp
 from ortforge.names import MANIFEST_FILE, MODEL_FILE
 from tasks.core import paths, resources
-from tasks.core.files import atomic_write_json, read_json
+from tasks.core.files import atomic_write_json
 from tasks.core.params import EvalConfig, Thresholds
 from tasks.core.stage import StageError, stage_cli
 from tasks.evaluation.metrics import (
@@ -237,15 +237,6 @@ def asked_widths(recipe: QuantizeConfig, manifest: dict) -> QuantizeConfig:
     return recipe.model_copy(update=chosen)
 
 
-def tied_embeddings(config_file: Path) -> bool | None:
-    """True where the model's config ties its token lookup to its output layer; otherwise None, and
-    the graph decides: a config may not say (defaults differ between model classes), and an
-    exporter stores two equal matrices once, so an untied config can have a shared lookup."""
-    config = read_json(config_file) if config_file.is_file() else {}
-    sections = (config, config.get("text_config") or {})
-    return True if any(section.get("tie_word_embeddings") for section in sections) else None
-
-
 def measure_coverage(variant_dir: Path, recipe: QuantizeConfig) -> dict:
     """What the graph stores at which width, against what params.yaml's recipe asks (not what the
     quantize stage recorded: a stage that ignored a key would agree with itself)."""
@@ -257,8 +248,7 @@ def measure_coverage(variant_dir: Path, recipe: QuantizeConfig) -> dict:
     found = coverage.weights(graph)
     stored, asked = kv_cache.stored_bits(graph), params.kv_bits
     as_asked = stored == asked if asked else stored >= 16  # "float": float32, or float16 in an fp16 graph
-    tied = tied_embeddings(variant_dir / "config.json")
-    return coverage.against_recipe(params, found, manifest.get("kept_float", {}), tied) | {
+    return coverage.against_recipe(params, found, manifest.get("kept_float", {})) | {
         "by_role": coverage.summary(found),
         "kv_cache": {"asked": params.kv_cache, "stored_bits": stored, "as_asked": as_asked},
     }

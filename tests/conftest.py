@@ -86,6 +86,7 @@ TINY_PARAMS = {
             "kv_prefill": 8,
             "kv_steps": 8,
         },
+        "comparison": [],
         "thresholds": {
             "fp32": {
                 "ppl_ratio": 1.001,

@@ -173,11 +173,13 @@ def as_records(found: list[Weight]) -> list[dict]:
     return [asdict(weight) for weight in found]
 
 
-def asked_bits(params: QuantizeConfig, weight: Weight, num_layers: int, kept_float: set[str], tied: bool) -> int:
-    """The width the variant's params ask of one matrix (tied: the model's lookup and output layer
-    are one matrix)."""
+def asked_bits(params: QuantizeConfig, weight: Weight, num_layers: int, kept_float: set[str], vocabulary: dict) -> int:
+    """The width the variant's params ask of one matrix. vocabulary: the output layer's size, and
+    whether the graph's token lookup reads the output layer's matrix."""
     if weight.role == "embedding":
-        return _embedding_bits(params, tied)
+        if not weight.shared and weight.parameters != vocabulary["parameters"]:  # GPT-2's positions: float
+            return 16 if params.method == "fp16" else 32
+        return _lookup_bits(params, vocabulary["shared"])
     if weight.node in kept_float or any(pattern in weight.node for pattern in kept_float_patterns(params)):
         return 32
     if params.method == "weight_only":
@@ -188,27 +190,24 @@ def asked_bits(params: QuantizeConfig, weight: Weight, num_layers: int, kept_flo
     return {"fp32": 32, "fp16": 16}.get(params.method, 8)  # both int8 methods quantize every matmul
 
 
-def _embedding_bits(params: QuantizeConfig, tied: bool) -> int:
-    """A tied lookup reads the output layer's matrix, so it is asked the output layer's width; an
-    untied one stays float (no recipe quantizes a lookup of its own; fp16 converts every weight)."""
-    if not tied:
-        return 16 if params.method == "fp16" else 32
+def _lookup_bits(params: QuantizeConfig, shared: bool) -> int:
+    """weight_only writes every lookup at the output layer's width (a tied one reads the output's
+    codes, an untied one gets its own), fp32 and fp16 keep theirs; onnxruntime's int8 tools decide
+    for themselves whether the lookup shares the output layer's codes (quantize_dynamic leaves a
+    float copy), so theirs is asked what the graph shows."""
     if params.method == "weight_only":
         return params.output_bits
-    return {"fp32": 32, "fp16": 16}.get(params.method, 8)
+    if params.method in ("fp32", "fp16"):
+        return {"fp32": 32, "fp16": 16}[params.method]
+    return 8 if shared else 32
 
 
-def against_recipe(
-    params: QuantizeConfig, found: list[Weight], kept_float: dict[str, str], tied: bool | None = None
-) -> dict:
+def against_recipe(params: QuantizeConfig, found: list[Weight], kept_float: dict[str, str]) -> dict:
     """The graph's widths against what the recipe asks of each matrix, lookups included.
 
     kept_float: matrices the recipe's measurement chose to keep float (outlier inputs), with why;
     with those matching its keep_float patterns they are listed and their share of the matmul
-    weights is what max_float_share caps. tied: whether the model ties its lookup to its output
-    layer (its config.json); None: as the graph has it. onnxruntime's int8 tools decide for
-    themselves whether the lookup shares the output layer's codes (quantize_dynamic leaves a float
-    copy), so their lookups are asked what the graph shows."""
+    weights is what max_float_share caps."""
     num_layers = 1 + max((w.layer for w in found if w.layer is not None), default=0)
     patterns = kept_float_patterns(params)
     chosen = {node: why for node, why in kept_float.items() if getattr(params, "outlier_ratio", None) is not None}
@@ -217,10 +216,9 @@ def against_recipe(
         for w in found
         if w.role != "embedding" and (w.node in chosen or any(p in w.node for p in patterns))
     }
-    own_writer = params.method in ("weight_only", "fp32", "fp16")
-    lookup_shared = any(w.shared for w in found if w.role == "embedding")
-    tied = lookup_shared if tied is None or not own_writer else tied
-    asked = [(weight, asked_bits(params, weight, num_layers, set(kept), tied)) for weight in found]
+    output = next((w.parameters for w in found if w.role == "output"), None)
+    vocabulary = {"parameters": output, "shared": any(w.shared for w in found if w.role == "embedding")}
+    asked = [(weight, asked_bits(params, weight, num_layers, set(kept), vocabulary)) for weight in found]
     total = sum(weight.parameters for weight, _ in asked)
     wrong = [(weight, bits) for weight, bits in asked if weight.bits != bits]
     matmuls = [weight for weight in found if weight.role != "embedding"]
