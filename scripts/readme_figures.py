@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks import provenance, refresh, scale  # noqa: E402
-from benchmarks.side_by_side import chain_table, quality_table, table  # noqa: E402
+from benchmarks.side_by_side import chain_table, table  # noqa: E402
 from tasks.reporting import gates  # noqa: E402
 
 README = REPO / "README.md"
@@ -106,10 +106,6 @@ def side_by_side_short() -> str:
     return f"Read bandwidth measured in this run: {report['memory_bandwidth_gb_s']:.1f} GB/s.\n\n" + table(
         report["short"]
     )
-
-
-def side_by_side_quality() -> str:
-    return quality_table(_json(RESULTS / "side_by_side.json")["quality"])
 
 
 def side_by_side_chain() -> str:
@@ -272,7 +268,6 @@ RENDERERS = {
     "scale-runtime": lambda: scale.runtime_table(_json(RESULTS / "scale.json")),
     "scale-goals": lambda: scale.goals(_json(RESULTS / "scale.json")),
     "side-by-side-short": side_by_side_short,
-    "side-by-side-quality": side_by_side_quality,
     "side-by-side-chain": side_by_side_chain,
     "side-by-side-goals": side_by_side_goals,
     "cache-reuse": cache_reuse,
