@@ -107,6 +107,11 @@ def plot(report: dict, path: Path) -> None:
     figure.savefig(path, dpi=110)
 
 
+def gap(figures: dict) -> str:
+    """The cached-decode gap, or `-` in a file measured before kv_cache.py recorded it."""
+    return f"{figures['cached_decode_gap']:.4f}" if "cached_decode_gap" in figures else "-"
+
+
 def table(report: dict) -> str:
     # JSON keeps the contexts sorted as text
     contexts = sorted(next(iter(report["variants"].values()))["decode_ms_p50"], key=int)
@@ -119,7 +124,7 @@ def table(report: dict) -> str:
     for name, v in report["variants"].items():
         lines.append(
             f"| {name} | {v['kv_cache']} | {v['kv_bytes_per_token']:,} | {v['worst_ppl_over_float_cache']:.4f} | "
-            f"{v['kl_divergence_from_fp32']:.4f} | {v['cached_decode_gap']:.4f} | "
+            f"{v['kl_divergence_from_fp32']:.4f} | {gap(v)} | "
             + " | ".join(f"{v['decode_ms_p50'][c]:.2f}" for c in contexts)
             + f" | {v['server']['peak_rss_mb']:.0f} |"
         )
