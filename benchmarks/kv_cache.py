@@ -59,7 +59,7 @@ def quality(model: str, variant: str, reference: str) -> dict:
         "worst_ppl_over_float_cache": max(ratios.values()),
         "kl_divergence_from_fp32": ours["kl_divergence"],
         "ppl_ratio_to_fp32": ours["ppl_ratio"],
-        "cached_decode_gap": ours["kv_max_prob_diff"],  # against a float cache's full pass, worst text
+        "cached_decode_gap": ours["kv_max_prob_diff"],  # against the same graph's full pass, worst text
     }
 
 

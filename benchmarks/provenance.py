@@ -58,8 +58,10 @@ def require_current(paths: list[str]) -> None:
     if unknown:
         raise SystemExit(f"error: {', '.join(unknown)} not in dvc.lock; run `dvc repro` first")
     stages = sorted({outputs[path]["stage"] for path in paths})
+    import sys
+
     status = subprocess.run(
-        ["dvc", "status", "--quiet", *stages], cwd=REPO, capture_output=True, text=True, check=False
+        [sys.executable, "-m", "dvc", "status", "--quiet", *stages], cwd=REPO, capture_output=True, text=True
     )
     if status.returncode != 0:
         said = status.stdout.strip() or status.stderr.strip()

@@ -235,8 +235,8 @@ def kv_cache() -> str:
         f"{report['steps']} greedy decode steps after a prefill of each context, {report['rounds']} interleaved "
         f"rounds, {report['cpus']} cores, every variant with {reference}'s tuned session settings; server RSS "
         f"(each variant's own settings) with {base['server']['streams']} concurrent requests of "
-        f"{base['server']['context_tokens']} tokens; cached-decode gap: the largest change of a token's probability "
-        "between cached decode and a full pass over a float cache (validate):",
+        f"{base['server']['context_tokens']} tokens; cached-decode gap: validate's kv_max_prob_diff, the largest "
+        "change of a token's probability between cached decode and a full pass of the same graph (float compute):",
         "",
         kv_table(report),
         "",
