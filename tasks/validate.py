@@ -1,11 +1,14 @@
 """Check one variant against the original model's reference figures, and fail on any threshold.
 
-Reads artifacts/<model>/variants/<variant>, artifacts/<model>/reference and params.yaml
-`validate.eval` and `validate.thresholds.<variant>`; writes reports/<model>/variants/<variant>/
-validate.json (a DVC metric) whether or not the variant passes. A passing variant gets the stamp
-artifacts/<model>/variants/<variant>.valid.json (bench and applications require it); a failing one
-gets none, and the stage exits non-zero with one message naming every failed check, its value and
-its threshold.
+Reads artifacts/<model>/variants/<variant>, artifacts/<model>/reference and params.yaml:
+`validate.eval`, the variant's limits (`validate.thresholds.<variant>`, or its build's own), whether
+it is a goal variant or a comparison point (`validate.comparison`), and its recipe
+(`quantize.<variant>`, what coverage checks the graph against, not what quantize recorded).
+Writes reports/<model>/variants/<variant>/validate.json (a DVC metric) whether or not the variant
+passes: every check's value, limit and margin, the shared limit a build replaced, and whether a goal
+variant met its goal. A passing variant gets the stamp artifacts/<model>/variants/<variant>.valid.json
+(bench and applications require it); a failing one gets none, and the stage exits non-zero with one
+message naming every failed check, its value and its threshold.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import numpy as np
 from ortforge.manifest import read_manifest, sha256_file, validation_stamp
 from ortforge.names import MANIFEST_FILE, MODEL_FILE
 from tasks.core import paths, resources
-from tasks.core.files import atomic_write_json
+from tasks.core.files import atomic_write_json, folder_bytes
 from tasks.core.params import EvalConfig, Thresholds
 from tasks.core.stage import StageError, stage_cli
 from tasks.evaluation.metrics import (
@@ -335,8 +338,28 @@ def run(cfg: EvalConfig, asked: Asked, variant_dir: Path, reference_dir: Path, r
     return figures
 
 
+def cache_check_sessions(variant_dir: Path) -> int:
+    """How many sessions besides the variant's own the cache checks open (cache_check_decoders):
+    one with float compute where the graph has int8-activation MatMulNBits, one over a float cache
+    where the cache is quantized. Reads the graph's structure only, not its weights."""
+    import onnx
+
+    graph = onnx.load(str(variant_dir / MODEL_FILE), load_external_data=False)
+    return int(float_compute(graph) > 0) + int(kv_cache.stored_bits(graph) < 16)
+
+
 def needs(a) -> resources.Needs:
-    return resources.runtime_needs(a.paths["variant-dir"], a.params.validation.eval.window, "scoring windows")
+    """One session's needs (resources.runtime_needs) for every session validate holds at once: the
+    variant's and the cache checks' (each loads the weights and prepacks its own copy)."""
+    variant_dir = a.paths["variant-dir"]
+    one = resources.runtime_needs(variant_dir, a.params.validation.eval.window, "scoring windows")
+    if not (variant_dir / MODEL_FILE).is_file():
+        return one  # run() says which stage to run first
+    extra = cache_check_sessions(variant_dir)
+    weights = folder_bytes(variant_dir, "model.onnx*")
+    return resources.Needs(
+        one.memory + extra * 2 * weights, one.disk, f"{one.basis}, {1 + extra} sessions held at once"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

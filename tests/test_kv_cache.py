@@ -221,3 +221,25 @@ def test_a_quantized_cache_without_a_cost_limit_is_refused_in_params(tiny_hf):
         Params.model_validate(values)
     values["validate"]["thresholds"]["int4"]["kv_cache_kl"] = 0.01
     assert Params.model_validate(values).validation.thresholds["int4"].kv_cache_kl == 0.01
+
+
+def test_validate_budgets_memory_for_every_session_it_holds(built, kv_variants, params, tmp_path):
+    """validate's preflight counts the sessions the cache checks really open, each holding the
+    weights, so a machine too small for three sessions is refused before the first one loads."""
+    from types import SimpleNamespace
+
+    from tasks.core import resources
+    from tasks.core.files import folder_bytes
+
+    for name, folder in {"fp32": built["fp32"], "int4": built["int4"], "int4_kv8": kv_variants["int4_kv8"]}.items():
+        scratch = tmp_path / name
+        scratch.mkdir()
+        opened = sum(decoder is not None for decoder in validate.cache_check_decoders(folder, scratch))
+        assert validate.cache_check_sessions(folder) == opened, name
+        stage = SimpleNamespace(paths={"variant-dir": folder}, params=params)
+        one = resources.runtime_needs(folder, params.validation.eval.window, "scoring windows")
+        weights = folder_bytes(folder, "model.onnx*")
+        assert validate.needs(stage).memory == one.memory + opened * 2 * weights, name
+        assert f"{1 + opened} sessions held at once" in validate.needs(stage).basis
+    assert validate.cache_check_sessions(kv_variants["fp32_kv8"]) == 1  # the float-cache twin
+    assert validate.cache_check_sessions(kv_variants["int4_kv8"]) == 2  # and float compute
