@@ -180,6 +180,23 @@ def short_engines(model: str) -> dict[str, dict]:
     return specs
 
 
+def absent_peers(specs: dict[str, dict]) -> dict[str, str]:
+    """The peers this run could not include, each with why: a table says what it leaves out."""
+    kinds = {spec["kind"] for spec in specs.values()}
+    absent = {}
+    if "genai" not in kinds:
+        absent["onnxruntime-genai"] = "onnxruntime-genai is not installed (pip install onnxruntime-genai)"
+    if "llamacpp" not in kinds:
+        absent["llama.cpp"] = (
+            "llama-cpp-python is not installed (pip install llama-cpp-python compiles llama.cpp, about 35 "
+            "minutes on 2 cores)"
+            if importlib.util.find_spec("llama_cpp") is None
+            else "the model was not built from a GGUF a package ships"
+        )
+    absent["OpenVINO GenAI"] = "not in this benchmark: it needs its own venv (benchmarks/peers/setup_openvino.sh)"
+    return absent
+
+
 def peer_versions(specs: dict[str, dict]) -> dict[str, str]:
     """The version of each peer engine the run includes, as its package says."""
     from importlib.metadata import version
@@ -254,15 +271,28 @@ def settings(spec: dict) -> str:
     return "tuned by bench (runtime.json)" if spec.get("tuned") else "the engine's defaults"
 
 
-def table(results: dict) -> str:
+def quality_cell(name: str, spec: dict, quality_found: dict) -> str:
+    """Quality beside speed: the worst text's perplexity ratio against PyTorch fp32, or why none."""
+    if spec.get("prompt_lookup"):
+        return "int4's (greedy tokens unchanged)"
+    if name in quality_found:
+        return f"{quality_found[name]['ppl_ratio']:.3f}"
+    if spec["kind"] in ("torch-kv", "torch-nokv", "ort-plain") or Path(spec["path"]).name == "fp32":
+        return "1 (float weights)"
+    return "not scored"
+
+
+def table(results: dict, quality_found: dict | None = None) -> str:
+    quality_found = quality_found or {}
     lines = [
-        "| engine | settings | decode tok/s | decode ms p50 / p95 | first token ms p50 / p95 | peak RSS MB "
-        "| size MB | roofline share |",
-        "|---|---|---|---|---|---|---|---|",
+        "| engine | settings | ppl ratio | decode tok/s | decode ms p50 / p95 | first token ms p50 / p95 "
+        "| peak RSS MB | size MB | roofline share |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in sorted(results.items(), key=lambda item: item[1]["decode_tokens_per_second"]):
         lines.append(
-            f"| {name} | {settings(r['spec'])} | {r['decode_tokens_per_second']:.1f} | "
+            f"| {name} | {settings(r['spec'])} | {quality_cell(name, r['spec'], quality_found)} "
+            f"| {r['decode_tokens_per_second']:.1f} | "
             f"{r['decode_ms_per_token_p50']:.2f} / "
             f"{r['decode_ms_per_token_p95']:.2f} | {r['seconds_to_first_token_p50'] * 1e3:.0f} / "
             f"{r['seconds_to_first_token_p95'] * 1e3:.0f} | {r['peak_rss_mb']:.0f} | {r['size_mb']:.0f} "
@@ -353,19 +383,22 @@ def main(argv: list[str] | None = None) -> int:
     text = REPO / "data" / "eval" / "GPL-3.txt"
     engines_short = short_engines(args.model)
     peers = peer_versions(engines_short)
+    for peer, why in absent_peers(engines_short).items():
+        print(f"  not measured: {peer}: {why}", flush=True)
     report = {
         "provenance": provenance.record(provenance.command("side_by_side.py", argv), measured, peers),
         "model": args.model,
         "cpus": os.cpu_count(),
         "memory_bandwidth_gb_s": bandwidth,
         "rounds": args.rounds,
+        "absent_peers": absent_peers(engines_short),
     }
     prompt_tokens, new_tokens = WORKLOADS["short"]
     print("short workload", flush=True)
     prompt = prompt_ids(paths.hf_dir(args.model), text, prompt_tokens)
     report["short"] = run_workload(engines_short, prompt, new_tokens, args.rounds, bandwidth)
     report["quality"] = quality(args.model, engines_short)
-    print(table(report["short"]))
+    print(table(report["short"], report["quality"]))
     print(quality_table(report["quality"]))
     for name, result in report["short"].items():
         if result["tokens_per_run"]:

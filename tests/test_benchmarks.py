@@ -81,3 +81,25 @@ def test_one_way_to_measure():
     assert "timing.summarize(" in inspect.getsource(side_by_side.summarize)
     assert "timing.summarize(" in inspect.getsource(bench.summarize)
     assert set(timing.summarize.__code__.co_names) >= {"percentile", "median"}
+
+
+def test_quality_sits_beside_speed_and_absent_peers_are_named():
+    """Each row says its perplexity ratio or why it has none; a peer the run left out is named."""
+    row = {"decode_tokens_per_second": 100.0, "decode_ms_per_token_p50": 10.0, "decode_ms_per_token_p95": 11.0}
+    row |= {"seconds_to_first_token_p50": 0.1, "seconds_to_first_token_p95": 0.2, "peak_rss_mb": 200.0}
+    row |= {"size_mb": 80.0, "share_of_roofline": 0.5}
+    results = {
+        "ortforge int4": row | {"spec": {"kind": "ort", "path": "artifacts/m/variants/int4", "tuned": True}},
+        "onnxruntime-genai int4 + its runtime": row | {"spec": {"kind": "genai", "path": "x/genai-int4"}},
+        "PyTorch fp32, KV cache": row | {"spec": {"kind": "torch-kv", "path": "x/hf"}},
+        "ortforge int4 + prompt lookup (3 tokens)": row
+        | {"spec": {"kind": "ort", "path": "artifacts/m/variants/int4", "prompt_lookup": 3}},
+    }
+    found = {"ortforge int4": {"ppl_ratio": 1.0521}}
+    lines = {line.split(" | ")[0].strip("| "): line for line in side_by_side.table(results, found).splitlines()[2:]}
+    assert "| 1.052 |" in lines["ortforge int4"]
+    assert "| not scored |" in lines["onnxruntime-genai int4 + its runtime"]
+    assert "| 1 (float weights) |" in lines["PyTorch fp32, KV cache"]
+    assert "int4's (greedy tokens unchanged)" in lines["ortforge int4 + prompt lookup (3 tokens)"]
+    absent = side_by_side.absent_peers({name: r["spec"] for name, r in results.items()})
+    assert "onnxruntime-genai" not in absent and {"llama.cpp", "OpenVINO GenAI"} <= set(absent)
