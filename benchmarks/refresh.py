@@ -31,7 +31,11 @@ COMMANDS = {
     "architectures.json": "python benchmarks/architectures.py",
     "cache_reuse.json": "python benchmarks/cache_reuse.py",
     "scale.json": "python benchmarks/scale.py",
+    "continuations-gemma3-270m.json": "python benchmarks/continuations.py --model gemma3-270m",
 }
+
+
+MISSING = "it does not exist (never measured, or deleted)"
 
 
 def read(name: str) -> dict | list:
@@ -50,6 +54,9 @@ def stale(outputs: dict | None = None) -> dict[str, list[str]]:
     outputs = provenance.lock_outputs() if outputs is None else outputs
     found = {}
     for name in COMMANDS:
+        if not (RESULTS / name).is_file():
+            found[name] = [MISSING]
+            continue
         result = read(name)
         reasons = provenance.stale(result if isinstance(result, dict) else {}, outputs)
         if reasons:
