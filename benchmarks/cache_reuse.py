@@ -1,12 +1,13 @@
 """How much a restored DVC cache saves: a cold build, a no-op `dvc repro`, and a warm CI-style run
-(fresh clone of the cold build's commit + its .dvc/cache restored), on the committed params (the
-default model).
+(fresh clone of the cold build's commit + its .dvc/cache restored), on the committed params, of one
+model's whole DAG (`report@<model>`, what scripts/build.sh and CI build; the default model unless
+--model says).
 
 The cold build is `dvc repro --force` in a fresh clone with an empty cache: every stage executes,
 including validate and bench, whose committed metrics would otherwise let DVC skip them when the
 rebuilt artifacts hash the same as in dvc.lock.
 
-    python benchmarks/cache_reuse.py [--keep]
+    python benchmarks/cache_reuse.py [--model smollm2-135m] [--keep]
 
 Clones HEAD into a temporary folder (commit first), prints a table and writes
 benchmarks/results/cache_reuse.json. Takes about as long as one full build.
@@ -15,7 +16,6 @@ benchmarks/results/cache_reuse.json. Takes about as long as one full build.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import re
@@ -30,6 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks import provenance  # noqa: E402
+from tasks.core.files import atomic_write_json  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results" / "cache_reuse.json"
 
@@ -62,11 +63,12 @@ def commit_build(repo: Path) -> None:
     subprocess.run(["git", *identity, "commit", "-q", "--allow-empty", "-m", "cold build"], cwd=repo, check=True)
 
 
-def measure(workdir: Path) -> dict:
-    dvc_repro = [sys.executable, "-m", "dvc", "repro"]
+def measure(workdir: Path, model: str) -> dict:
+    target = f"report@{model}"  # with --force, every stage upstream of it runs too
     cold_repo = clone(workdir / "cold")
-    print("cold build (empty cache, every stage)...", flush=True)
-    cold = timed([*dvc_repro, "--force"], cold_repo)
+    print(f"cold build of {target} (empty cache, every stage)...", flush=True)
+    cold = timed([sys.executable, "-m", "dvc", "repro", "--force", target], cold_repo)
+    dvc_repro = [sys.executable, "-m", "dvc", "repro", target]
     print("no-op dvc repro...", flush=True)
     noop = timed(dvc_repro, cold_repo)
 
@@ -79,6 +81,7 @@ def measure(workdir: Path) -> dict:
     warm = timed(dvc_repro, warm_repo)
     cache_bytes = sum(p.stat().st_size for p in (cold_repo / ".dvc" / "cache").rglob("*") if p.is_file())
     return {
+        "model": model,
         "cold_build": cold,
         "noop_repro": noop,
         "warm_ci_run": {**warm, "cache_restore_seconds": restore_seconds, "cache_mb": round(cache_bytes / 1e6)},
@@ -89,18 +92,19 @@ def measure(workdir: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m", help="the model whose DAG is built")
     parser.add_argument("--keep", action="store_true", help="keep the temporary clones")
     args = parser.parse_args(argv)
     workdir = Path(tempfile.mkdtemp(prefix="ortforge-cache-bench-"))
     try:
-        figures = measure(workdir)
+        figures = measure(workdir, args.model)
     finally:
         if not args.keep:
             shutil.rmtree(workdir, ignore_errors=True)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     # It builds a clone of HEAD from nothing: the commit says what it measured.
     figures = {"provenance": provenance.record(provenance.command("cache_reuse.py", argv)), **figures}
-    RESULTS.write_text(json.dumps(figures, indent=2) + "\n", encoding="utf-8")
+    atomic_write_json(RESULTS, figures)
     print("\n| run | wall s | stages executed |\n|---|---|---|")
     for name in ("cold_build", "noop_repro", "warm_ci_run"):
         print(f"| {name.replace('_', ' ')} | {figures[name]['seconds']:.1f} | {figures[name]['stages_executed']} |")
