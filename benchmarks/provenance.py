@@ -86,14 +86,20 @@ def file_md5(path: Path) -> str:
     return hashlib.md5(path.read_bytes()).hexdigest()
 
 
+def code_state(code: Iterable[str] = CODE) -> tuple[str, bool]:
+    """The commit HEAD names, and whether the working tree's code differs from it."""
+    return _git("rev-parse", "HEAD"), bool(_git("status", "--porcelain", "--", *code))
+
+
 def record(refresh: str, paths: list[str] = (), peers: dict | None = None) -> dict:
     """The provenance a result file carries: the command that refreshes it, the commit (and
     whether the code differed from it), dvc.lock's hashes of paths, and the peers' versions."""
     outputs = lock_outputs() if paths else {}
+    commit, modified = code_state()
     return {
         "refresh": refresh,
-        "commit": _git("rev-parse", "HEAD"),
-        "code_modified": bool(_git("status", "--porcelain", "--", *CODE)),
+        "commit": commit,
+        "code_modified": modified,
         "measured": {path: outputs[path]["md5"] for path in paths},
         "peers": peers or {},
     }

@@ -86,10 +86,8 @@ PER_MODEL_COMMITS = {"commit": None, "code_modified": None, "per_model": "models
 
 def measured_on() -> dict:
     """The code a figure describes: the commit, whether the tree had changes, and when."""
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    code = [*PROJECT_FILES, "benchmarks"]
-    changes = subprocess.run(["git", "status", "--porcelain", "--", *code], cwd=REPO, capture_output=True)
-    return {"commit": commit, "uncommitted_changes": bool(changes.stdout.strip()), "date": time.strftime("%Y-%m-%d")}
+    commit, modified = provenance.code_state([*PROJECT_FILES, "benchmarks"])
+    return {"commit": commit, "uncommitted_changes": modified, "date": time.strftime("%Y-%m-%d")}
 
 
 def checkpoint(name: str, workdir: Path) -> Path:
