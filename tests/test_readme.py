@@ -42,8 +42,8 @@ def test_every_path_the_readme_names_exists():
 
 def test_the_results_and_reports_describe_what_dvc_lock_names():
     """No result file recorded hashes other than dvc.lock's now, and every report is the output
-    dvc.lock records (files from before provenance are warned about, not passed silently)."""
-    errors, _ = readme_figures.outdated_sources()
+    dvc.lock records (a result file that records no provenance fails too: nothing could tell)."""
+    errors = readme_figures.outdated_sources()
     assert errors == [], "python -m benchmarks.refresh, then python scripts/readme_figures.py"
 
 
@@ -71,12 +71,16 @@ def test_a_result_about_a_rebuilt_artifact_is_named_with_its_refresh_command(tmp
     outputs = provenance.lock_outputs(lock)
     monkeypatch.setattr(readme_figures.provenance, "lock_outputs", lambda: outputs)
     monkeypatch.setattr(readme_figures.provenance, "stale_stages", lambda: [])
-    errors, warnings = readme_figures.outdated_sources()
-    assert errors == [
+    (results / "serving.json").write_text(json.dumps({"servers": {}}), encoding="utf-8")
+    errors = readme_figures.outdated_sources()
+    assert errors[0] == (
         "benchmarks/results/kv_cache.json: artifacts/m/variants/int4 is bbb.dir in dvc.lock, aaa.dir when measured; "
         "refresh: python benchmarks/kv_cache.py --model m"
-    ]
-    assert any(w.startswith("benchmarks/results/serving.json: it records no provenance") for w in warnings)
+    )
+    assert errors[1].startswith("benchmarks/results/serving.json: it records no provenance")
+    assert errors[2] == (
+        f"benchmarks/results/side_by_side.json: {refresh.MISSING}; refresh: python benchmarks/side_by_side.py"
+    )
 
 
 def test_a_report_that_is_not_the_locked_output_is_an_error(monkeypatch):
@@ -87,7 +91,7 @@ def test_a_report_that_is_not_the_locked_output_is_an_error(monkeypatch):
     changed = {**locked, "reports/smollm2-135m/report.json": {"stage": "report@smollm2-135m", "md5": "0" * 32}}
     monkeypatch.setattr(readme_figures.provenance, "lock_outputs", lambda: changed)
     monkeypatch.setattr(readme_figures.provenance, "stale_stages", lambda: [])
-    errors, _ = readme_figures.outdated_sources()
+    errors = readme_figures.outdated_sources()
     assert f"{report.relative_to(REPO)} is not what dvc.lock records for report@smollm2-135m; run `dvc repro`" in errors
 
 
@@ -114,5 +118,5 @@ def test_refresh_lists_every_result_file_with_its_state_and_command(capsys):
 def test_a_stage_whose_code_changed_makes_the_check_name_it(monkeypatch):
     """The figures of a stage DVC would rerun describe what the project no longer builds."""
     monkeypatch.setattr(readme_figures.provenance, "stale_stages", lambda: ["quantize@smollm2-135m-int4"])
-    errors, _ = readme_figures.outdated_sources()
+    errors = readme_figures.outdated_sources()
     assert any(e.startswith("stage quantize@smollm2-135m-int4 changed since dvc.lock") for e in errors)
