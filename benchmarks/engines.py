@@ -9,6 +9,7 @@ child process only.
 from __future__ import annotations
 
 import itertools
+import json
 import time
 from pathlib import Path
 
@@ -235,3 +236,38 @@ def decode_at_contexts(folder: str, ids: list[int], contexts: list[int], setting
             steps.append(time.perf_counter() - start)
         figures[str(context)] = steps
     return {"steps": figures, "kv_bytes_per_token": decoder.kv_bytes_per_token}
+
+
+def genai_quality(folder: str, reference_dir: str, params_file: str) -> dict:
+    """Run in a fresh process (so it lives in an importable module, not a script's __main__):
+    onnxruntime-genai's int4 graph scored as validate scores a variant
+    (the same texts, windows and PyTorch reference: tasks.evaluation.metrics.compare), through
+    ortforge's decoder over the graph genai's runtime runs (the same onnxruntime graph and kernels)."""
+    from ortforge import names
+    from ortforge.decoder import Decoder
+    from ortforge.session import create_session
+    from tasks.core.params import load_params
+    from tasks.evaluation.metrics import Reference, compare
+
+    config = json.loads((Path(folder) / "genai_config.json").read_text(encoding="utf-8"))["model"]["decoder"]
+    session = create_session(Path(folder))
+    decoder = Decoder(session, head_dim=config["head_size"], layout=names.KV_SHARED)
+    reference = Reference.load(Path(reference_dir))
+    cfg = load_params(params_file).validation.eval
+    per_text = {
+        name: compare(decoder, text, cfg, reference.sequence_tokens)
+        | {"reference_perplexity": reference.perplexity[name]}
+        for name, text in reference.texts.items()
+    }
+    return quality_summary(per_text)
+
+
+def quality_summary(per_text: dict) -> dict:
+    """The worst over the evaluation texts, as validate reports a variant's."""
+    ratios = [t["perplexity"] / t["reference_perplexity"] for t in per_text.values()]
+    return {
+        "ppl_ratio": max(ratios),
+        "kl_divergence": max(t["kl_divergence"] for t in per_text.values()),
+        "top1_agreement": min(t["top1_agreement"] for t in per_text.values()),
+        "measured_by": "validate's texts and PyTorch reference",
+    }

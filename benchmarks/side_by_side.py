@@ -94,40 +94,6 @@ def genai_int4(model: str) -> Path | None:
     return out
 
 
-def genai_quality(folder: str, reference_dir: str, params_file: str) -> dict:
-    """Run in a fresh process: onnxruntime-genai's int4 graph scored as validate scores a variant
-    (the same texts, windows and PyTorch reference: tasks.evaluation.metrics.compare), through
-    ortforge's decoder over the graph genai's runtime runs (the same onnxruntime graph and kernels)."""
-    from ortforge import names
-    from ortforge.decoder import Decoder
-    from ortforge.session import create_session
-    from tasks.core.params import load_params
-    from tasks.evaluation.metrics import Reference, compare
-
-    config = json.loads((Path(folder) / "genai_config.json").read_text(encoding="utf-8"))["model"]["decoder"]
-    session = create_session(Path(folder))
-    decoder = Decoder(session, head_dim=config["head_size"], layout=names.KV_SHARED)
-    reference = Reference.load(Path(reference_dir))
-    cfg = load_params(params_file).validation.eval
-    per_text = {
-        name: compare(decoder, text, cfg, reference.sequence_tokens)
-        | {"reference_perplexity": reference.perplexity[name]}
-        for name, text in reference.texts.items()
-    }
-    return quality_summary(per_text)
-
-
-def quality_summary(per_text: dict) -> dict:
-    """The worst over the evaluation texts, as validate reports a variant's."""
-    ratios = [t["perplexity"] / t["reference_perplexity"] for t in per_text.values()]
-    return {
-        "ppl_ratio": max(ratios),
-        "kl_divergence": max(t["kl_divergence"] for t in per_text.values()),
-        "top1_agreement": min(t["top1_agreement"] for t in per_text.values()),
-        "measured_by": "validate's texts and PyTorch reference",
-    }
-
-
 def quality(model: str, specs: dict[str, dict]) -> dict[str, dict]:
     """Quality beside speed: ortforge's rows from their validate.json, onnxruntime-genai's measured
     here the same way; engines that run the float model are the reference (ratio 1); llama.cpp's
@@ -137,11 +103,11 @@ def quality(model: str, specs: dict[str, dict]) -> dict[str, dict]:
         if spec["kind"] == "ort" and not spec.get("prompt_lookup"):
             variant = Path(spec["path"]).name
             validation = json.loads(paths.validate_json(model, variant).read_text(encoding="utf-8"))
-            found[name] = quality_summary(validation["texts"]) | {"measured_by": f"validate ({variant})"}
+            found[name] = engines.quality_summary(validation["texts"]) | {"measured_by": f"validate ({variant})"}
         elif spec["kind"] == "genai":
             print(f"  quality: {name}", flush=True)
             found[name] = in_fresh_process(
-                genai_quality, spec["path"], str(paths.reference_dir(model)), str(REPO / "params.yaml")
+                engines.genai_quality, spec["path"], str(paths.reference_dir(model)), str(REPO / "params.yaml")
             )
     return found
 
