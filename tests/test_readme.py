@@ -120,3 +120,24 @@ def test_a_stage_whose_code_changed_makes_the_check_name_it(monkeypatch):
     monkeypatch.setattr(readme_figures.provenance, "stale_stages", lambda: ["quantize@smollm2-135m-int4"])
     errors = readme_figures.outdated_sources()
     assert any(e.startswith("stage quantize@smollm2-135m-int4 changed since dvc.lock") for e in errors)
+
+
+def test_a_result_file_written_is_not_a_code_change(tmp_path, monkeypatch):
+    """A benchmark that runs while another's result file is uncommitted measured committed code."""
+    import subprocess
+
+    from benchmarks import provenance
+
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    (tmp_path / "benchmarks" / "x.py").write_text("x = 1\n", encoding="utf-8")
+    (tmp_path / "benchmarks" / "results" / "r.json").write_text("{}\n", encoding="utf-8")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@localhost"]
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    subprocess.run(["git", "add", "-A"], cwd=tmp_path, check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "start"], cwd=tmp_path, check=True)
+    monkeypatch.setattr(provenance, "REPO", tmp_path)
+    assert provenance.code_state()[1] is False
+    (tmp_path / "benchmarks" / "results" / "r.json").write_text('{"a": 1}\n', encoding="utf-8")
+    assert provenance.code_state()[1] is False
+    (tmp_path / "benchmarks" / "x.py").write_text("x = 2\n", encoding="utf-8")
+    assert provenance.code_state()[1] is True
