@@ -3,7 +3,10 @@
 Every engine reports the same thing for one workload (prompt of N tokens, M greedy new tokens):
 seconds to the first token and the seconds of each later token, for each repeat after warm-up,
 plus the process's peak RSS. Loads that an engine needs (torch, genai, llama.cpp) happen in the
-child process only.
+child process only; OpenVINO GenAI runs in its own venv (benchmarks/peers/openvino_peer.py).
+
+Quality is scored the way validate scores a variant (tasks.evaluation.metrics.compare: the same
+texts, windows and PyTorch reference), through a decoder over each peer's own logits.
 """
 
 from __future__ import annotations
@@ -189,12 +192,28 @@ def _run_llamacpp(path: Path, prompt: list[int], new_tokens: int, threads: int):
     return once
 
 
+def _measure_openvino(spec: dict, prompt: list[int], new_tokens: int, warmup: int, repeats: int) -> dict:
+    """OpenVINO GenAI's LLMPipeline timed by its runner, in its venv: the runner reports the
+    fields timed_runs does, and its own process's load time and peak RSS."""
+    import tempfile
+
+    from benchmarks.peers import openvino_peer
+
+    options = ["--new-tokens", str(new_tokens), "--warmup", str(warmup), "--repeats", str(repeats)]
+    with tempfile.TemporaryDirectory(prefix="ortforge-openvino-") as scratch:
+        result = openvino_peer.run(Path(spec["python"]), Path(spec["path"]), "generate", prompt, Path(scratch), options)
+    fields = ("first_token_s", "step_s", "peak_rss_mb", "load_seconds")
+    return {name: result[name] for name in fields} | {"decode_runs": None}
+
+
 def measure(spec: dict, prompt: list[int], new_tokens: int, warmup: int, repeats: int) -> dict:
     """Run in a fresh process: load the engine, then the bench stage's own timed runs."""
     import os
 
     from tasks.measurement.timing import timed_runs
 
+    if spec["kind"] == "openvino":
+        return _measure_openvino(spec, prompt, new_tokens, warmup, repeats)
     started = time.perf_counter()
     kind, decode_runs = spec["kind"], []
     if kind == "genai":
@@ -238,28 +257,116 @@ def decode_at_contexts(folder: str, ids: list[int], contexts: list[int], setting
     return {"steps": figures, "kv_bytes_per_token": decoder.kv_bytes_per_token}
 
 
-def genai_quality(folder: str, reference_dir: str, params_file: str) -> dict:
-    """Run in a fresh process (so it lives in an importable module, not a script's __main__):
-    onnxruntime-genai's int4 graph scored as validate scores a variant
-    (the same texts, windows and PyTorch reference: tasks.evaluation.metrics.compare), through
-    ortforge's decoder over the graph genai's runtime runs (the same onnxruntime graph and kernels)."""
-    from ortforge import names
-    from ortforge.decoder import Decoder
-    from ortforge.session import create_session
+def _reference(reference_dir: str, params_file: str):
     from tasks.core.params import load_params
-    from tasks.evaluation.metrics import Reference, compare
+    from tasks.evaluation.metrics import Reference
 
-    config = json.loads((Path(folder) / "genai_config.json").read_text(encoding="utf-8"))["model"]["decoder"]
-    session = create_session(Path(folder))
-    decoder = Decoder(session, head_dim=config["head_size"], layout=names.KV_SHARED)
-    reference = Reference.load(Path(reference_dir))
-    cfg = load_params(params_file).validation.eval
+    return Reference.load(Path(reference_dir)), load_params(params_file).validation.eval
+
+
+def _scored(decoder, reference, cfg) -> dict:
+    """validate's figures for a decoder on every text, the worst over the texts."""
+    from tasks.evaluation.metrics import compare
+
     per_text = {
         name: compare(decoder, text, cfg, reference.sequence_tokens)
         | {"reference_perplexity": reference.perplexity[name]}
         for name, text in reference.texts.items()
     }
     return quality_summary(per_text)
+
+
+def genai_quality(folder: str, reference_dir: str, params_file: str) -> dict:
+    """Run in a fresh process (so it lives in an importable module, not a script's __main__):
+    onnxruntime-genai's int4 graph through ortforge's decoder (the same onnxruntime graph and
+    kernels genai's runtime runs)."""
+    from ortforge import names
+    from ortforge.decoder import Decoder
+    from ortforge.session import create_session
+
+    config = json.loads((Path(folder) / "genai_config.json").read_text(encoding="utf-8"))["model"]["decoder"]
+    decoder = Decoder(create_session(Path(folder)), head_dim=config["head_size"], layout=names.KV_SHARED)
+    return _scored(decoder, *_reference(reference_dir, params_file))
+
+
+class LlamaCppDecoder:
+    """llama.cpp through llama-cpp-python as a decoder: the cache is the number of tokens it holds
+    (its own KV cache, rewound by setting n_tokens), logits for every position (logits_all)."""
+
+    def __init__(self, gguf: str, context: int, threads: int):
+        import llama_cpp
+
+        self.llm = llama_cpp.Llama(
+            model_path=gguf, n_ctx=context, n_batch=512, n_threads=threads, logits_all=True, verbose=False
+        )
+
+    def empty_cache(self) -> int:
+        return 0
+
+    def forward(self, token_ids, cache: int, last_only: bool = False):
+        ids = [int(t) for t in np.asarray(token_ids).reshape(-1)]
+        self.llm.n_tokens = cache  # eval() drops the cache past n_tokens before it runs
+        self.llm.eval(ids)
+        return np.array(self.llm.scores[cache : cache + len(ids)], dtype=np.float32), cache + len(ids)
+
+
+def llamacpp_quality(gguf: str, reference_dir: str, params_file: str) -> dict:
+    """Run in a fresh process: llama.cpp on the GGUF the model was built from."""
+    import os
+
+    reference, cfg = _reference(reference_dir, params_file)
+    decoder = LlamaCppDecoder(gguf, reference.sequence_tokens, os.cpu_count() or 1)
+    return _scored(decoder, reference, cfg)
+
+
+def scored_sequences(reference) -> list[list[int]]:
+    """The token sequences validate scores, in the order it scores them: per text, its inputs
+    split every sequence_tokens tokens, each from an empty cache (as metrics.windows splits)."""
+    sequence, found = reference.sequence_tokens, []
+    for text in reference.texts.values():
+        inputs = [int(t) for t in text.ids[:-1]]
+        found += [inputs[first : first + sequence] for first in range(0, len(inputs), sequence)]
+    return found
+
+
+class ScoredLogits:
+    """A decoder that replays logits another process computed for scored_sequences(), in order.
+    Any token that is not the one scored there fails loudly, so a misalignment cannot pass as a
+    quality figure."""
+
+    def __init__(self, sequences: list[list[int]], logits: list[np.ndarray]):
+        self.sequences, self.logits, self.current = sequences, logits, -1
+
+    def empty_cache(self) -> int:
+        self.current += 1
+        return 0
+
+    def forward(self, token_ids, cache: int, last_only: bool = False):
+        ids = [int(t) for t in np.asarray(token_ids).reshape(-1)]
+        end = cache + len(ids)
+        if self.sequences[self.current][cache:end] != ids:
+            raise ValueError(f"sequence {self.current}: tokens {cache}..{end} are not the ones scored")
+        return np.asarray(self.logits[self.current][cache:end], dtype=np.float32), end
+
+
+def openvino_quality(python: str, model: str, reference_dir: str, params_file: str) -> dict:
+    """OpenVINO GenAI's model scored with its CPU defaults (the settings its speed row ran with):
+    its runner writes the logits of validate's sequences, fed in validate's windows through its
+    own KV cache; ortforge's metrics score them here."""
+    import tempfile
+
+    from benchmarks.peers import openvino_peer
+
+    reference, cfg = _reference(reference_dir, params_file)
+    sequences = scored_sequences(reference)
+    with tempfile.TemporaryDirectory(prefix="ortforge-openvino-") as scratch:
+        options = ["--window", str(cfg.window), "--out", scratch]
+        found = openvino_peer.run(Path(python), Path(model), "score", sequences, Path(scratch), options)
+        logits = [np.load(path, mmap_mode="r") for path in found["logits"]]
+        summary = _scored(ScoredLogits(sequences, logits), reference, cfg)
+    chosen = found["properties"]
+    precision = f"{chosen['INFERENCE_PRECISION_HINT']} activations, {chosen['KV_CACHE_PRECISION']} KV cache"
+    return summary | {"measured_by": f"{summary['measured_by']} ({precision}, its CPU defaults)"}
 
 
 def quality_summary(per_text: dict) -> dict:

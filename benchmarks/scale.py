@@ -40,6 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks import engines, provenance, random_models  # noqa: E402
+from benchmarks.peers import openvino_peer  # noqa: E402
 from benchmarks.side_by_side import memory_bandwidth_gb_s  # noqa: E402
 from flows.cache_links import disk_bytes  # noqa: E402
 from tasks.core.files import atomic_write_json  # noqa: E402
@@ -198,17 +199,9 @@ def genai_build(source: Path, out: Path) -> dict:
 
 def openvino_build(python: Path, source: Path, out: Path, weight_format: str) -> dict:
     shutil.rmtree(out, ignore_errors=True)
-    cli = python.parent / "optimum-cli"
-    command = [str(cli), "export", "openvino", "-m", str(source), "--task", "text-generation-with-past"]
-    command += ["--weight-format", weight_format]
-    if weight_format == "int4":
-        command += ["--group-size", "32", "--ratio", "1.0"]
-    figures = rusage_run(command + [str(out)])
-    version = subprocess.run(
-        [str(python), "-c", "import openvino_genai; print(openvino_genai.__version__)"], capture_output=True, text=True
-    ).stdout.strip()
-    recipe = "int4, group 32, ratio 1.0" if weight_format == "int4" else weight_format
-    return figures | {"tool": "OpenVINO optimum-cli", "version": version, "recipe": recipe}
+    figures = rusage_run(openvino_peer.export_command(python, source, out, weight_format))
+    version = openvino_peer.version(python)
+    return figures | {"tool": "OpenVINO optimum-cli", "version": version, "recipe": openvino_peer.recipe(weight_format)}
 
 
 def _version(package: str) -> str:
@@ -229,18 +222,10 @@ def prompts(source: Path) -> tuple[list[int], list[list[list[int]]]]:
 
 
 def openvino_run(python: Path, model: Path, command: str, data, scratch: Path) -> dict:
-    runner = REPO / "benchmarks" / "peers" / "openvino_runner.py"
-    path = scratch / f"{command}.json"
-    path.write_text(json.dumps(data), encoding="utf-8")
-    flag = "--prompt-ids" if command == "generate" else "--prompts"
-    args = [str(python), str(runner), command, "--model", str(model), flag, str(path), "--new-tokens", str(NEW_TOKENS)]
-    args += ["--threads", str(os.cpu_count() or 2)]
+    options = ["--new-tokens", str(NEW_TOKENS)]
     if command == "generate":
-        args += ["--warmup", "1", "--repeats", "3"]
-    done = subprocess.run(args, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"OpenVINO runner {command} failed: {done.stderr[-2000:]}")
-    return json.loads(done.stdout)
+        options += ["--warmup", "1", "--repeats", "3"]
+    return openvino_peer.run(python, model, command, data, scratch, options)
 
 
 def runtime(folder: Path, name: str, genai_dir: Path, openvino: tuple[Path, Path] | None, rounds: int) -> dict:
@@ -384,7 +369,7 @@ def runtime_summary(runs: dict) -> dict[str, dict]:
 
 
 def _step_ms(run: dict) -> list[float]:
-    if "decode_ms_per_token" in run:  # the OpenVINO runner's field
+    if "decode_ms_per_token" in run:  # the OpenVINO runner's field before it wrote step_s
         return run["decode_ms_per_token"]
     return [1000 * s for repeat in run["step_s"] for s in repeat]
 
@@ -493,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", nargs="*", default=["qwen2.5-0.5b", "llama-3.2-1b", "llama-3.2-3b"])
     parser.add_argument("--export-only", nargs="*", default=["llama-3.1-8b"])
     parser.add_argument("--runtime-at", default="llama-3.2-1b", help="the size whose built int4 runs beside the peers")
-    parser.add_argument("--openvino", type=Path, default=REPO.parent / "peers" / "openvino" / "bin" / "python")
+    parser.add_argument("--openvino", type=Path, default=openvino_peer.PYTHON)
     parser.add_argument("--workdir", type=Path, default=REPO / "benchmarks" / ".cache" / "scale")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--render", action="store_true", help="only redraw scale.png from scale.json")
@@ -514,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
         "provenance": provenance.record(provenance.command("scale.py", argv)) | PER_MODEL_COMMITS,
         "machine": {"cpu_count": os.cpu_count(), "memory_bandwidth_gb_s": round(memory_bandwidth_gb_s(), 1)},
         "limits": {"name": LIMITS_NAME, "values": SCALE_LIMITS},
-        "openvino": str(openvino) if openvino else "not installed (benchmarks/peers/setup_openvino.sh)",
+        "openvino": str(openvino) if openvino else f"not installed ({openvino_peer.SETUP})",
         "models": {},
     }
     if args.merge and (RESULTS / "scale.json").is_file():

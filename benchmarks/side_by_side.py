@@ -1,9 +1,11 @@
 """Side-by-side CPU generation benchmark: PyTorch with and without its KV cache, onnxruntime on
 optimum's export with default settings, ortforge's built variants (int4 also with prompt lookup
 decoding, a different kind of speed-up, on its own row), and, when installed,
-onnxruntime-genai's int4 build with its own runtime and llama.cpp (llama-cpp-python) on the
-original GGUF. Each engine runs in its own fresh process, engines interleave over rounds, and
-figures are medians (p50) and p95 over every timed token.
+onnxruntime-genai's int4 build with its own runtime, llama.cpp (llama-cpp-python) on the
+original GGUF and OpenVINO GenAI's int4 (its own venv: benchmarks/peers/setup_openvino.sh).
+Each engine runs in its own fresh process, engines interleave over rounds, and figures are
+medians (p50) and p95 over every timed token. Each peer's quality is scored beside its speed on
+validate's texts against the same PyTorch reference.
 
 Two workloads: the short one the bench stage uses (128-token prompt, 64 new tokens) and the guide's
 long one (2,048-token prompt, 200 new tokens), on which a chain of engines adds one technique at a
@@ -34,6 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks import engines, provenance  # noqa: E402
+from benchmarks.peers import openvino_peer  # noqa: E402
 from tasks.bench import prompt_ids  # noqa: E402
 from tasks.core import paths  # noqa: E402
 from tasks.core.files import atomic_write_json, folder_bytes  # noqa: E402
@@ -94,21 +97,32 @@ def genai_int4(model: str) -> Path | None:
     return out
 
 
+def openvino_int4(model: str) -> Path | None:
+    """OpenVINO GenAI's int4 export of the same HF folder, built once into the cache."""
+    if not openvino_peer.installed():
+        return None
+    return openvino_peer.build(openvino_peer.PYTHON, paths.hf_dir(model), CACHE / model / "openvino-int4", "int4")
+
+
 def quality(model: str, specs: dict[str, dict]) -> dict[str, dict]:
-    """Quality beside speed: ortforge's rows from their validate.json, onnxruntime-genai's measured
-    here the same way; engines that run the float model are the reference (ratio 1); llama.cpp's
-    GGUF is its own weights (not scored here)."""
+    """Quality beside speed: ortforge's rows from their validate.json, each peer's measured here
+    the same way (validate's texts, windows and PyTorch reference); engines that run the float
+    model are the reference (ratio 1)."""
     found = {}
+    reference, params = str(paths.reference_dir(model)), str(REPO / "params.yaml")
     for name, spec in specs.items():
         if spec["kind"] == "ort" and not spec.get("prompt_lookup"):
             variant = Path(spec["path"]).name
             validation = json.loads(paths.validate_json(model, variant).read_text(encoding="utf-8"))
             found[name] = engines.quality_summary(validation["texts"]) | {"measured_by": f"validate ({variant})"}
-        elif spec["kind"] == "genai":
+        elif spec["kind"] in ("genai", "llamacpp", "openvino"):
             print(f"  quality: {name}", flush=True)
-            found[name] = in_fresh_process(
-                engines.genai_quality, spec["path"], str(paths.reference_dir(model)), str(REPO / "params.yaml")
-            )
+            if spec["kind"] == "genai":
+                found[name] = in_fresh_process(engines.genai_quality, spec["path"], reference, params)
+            elif spec["kind"] == "llamacpp":
+                found[name] = in_fresh_process(engines.llamacpp_quality, spec["path"], reference, params)
+            else:
+                found[name] = engines.openvino_quality(spec["python"], spec["path"], reference, params)
     return found
 
 
@@ -124,10 +138,15 @@ def gguf_file(model: str) -> Path | None:
 
 def short_engines(model: str) -> dict[str, dict]:
     variant = lambda v: str(paths.variant_dir(model, v))  # noqa: E731
+    hf = str(paths.hf_dir(model))
     specs = {
-        "PyTorch fp32, no KV cache": {"kind": "torch-nokv", "path": str(paths.hf_dir(model)), "sample_steps": 8},
-        "PyTorch fp32, KV cache": {"kind": "torch-kv", "path": str(paths.hf_dir(model))},
-        "optimum export fp32, ORT defaults": {"kind": "ort-plain", "path": str(optimum_fp32(model))},
+        "PyTorch fp32, no KV cache": {"kind": "torch-nokv", "path": hf, "sample_steps": 8, "float_weights": True},
+        "PyTorch fp32, KV cache": {"kind": "torch-kv", "path": hf, "float_weights": True},
+        "optimum export fp32, ORT defaults": {
+            "kind": "ort-plain",
+            "path": str(optimum_fp32(model)),
+            "float_weights": True,
+        },
     }
     for name in SHOWN_VARIANTS:
         if paths.variant_dir(model, name).is_dir():
@@ -143,6 +162,12 @@ def short_engines(model: str) -> dict[str, dict]:
         specs["onnxruntime-genai int4 + its runtime"] = {"kind": "genai", "path": str(built)}
     if (gguf := gguf_file(model)) is not None and importlib.util.find_spec("llama_cpp") is not None:
         specs[f"llama.cpp, {gguf.name.split('.')[-2]} GGUF"] = {"kind": "llamacpp", "path": str(gguf)}
+    if (built := openvino_int4(model)) is not None:
+        specs["OpenVINO GenAI int4 (group 32)"] = {
+            "kind": "openvino",
+            "path": str(built),
+            "python": str(openvino_peer.PYTHON),
+        }
     return specs
 
 
@@ -159,7 +184,8 @@ def absent_peers(specs: dict[str, dict]) -> dict[str, str]:
             if importlib.util.find_spec("llama_cpp") is None
             else "the model was not built from a GGUF a package ships"
         )
-    absent["OpenVINO GenAI"] = "not in this benchmark: it needs its own venv (benchmarks/peers/setup_openvino.sh)"
+    if "openvino" not in kinds:
+        absent["OpenVINO GenAI"] = f"its venv is not installed ({openvino_peer.SETUP}, about 5 minutes)"
     return absent
 
 
@@ -169,7 +195,10 @@ def peer_versions(specs: dict[str, dict]) -> dict[str, str]:
 
     packages = {"genai": "onnxruntime-genai", "llamacpp": "llama-cpp-python"}
     kinds = {spec["kind"] for spec in specs.values()}
-    return {packages[kind]: version(packages[kind]) for kind in packages if kind in kinds}
+    found = {packages[kind]: version(packages[kind]) for kind in packages if kind in kinds}
+    if "openvino" in kinds:
+        found["openvino-genai"] = openvino_peer.version(openvino_peer.PYTHON)
+    return found
 
 
 def chain_engines(model: str) -> dict[str, dict]:
@@ -193,8 +222,8 @@ def size_mb(spec: dict) -> float:
     path = Path(spec["path"])
     if path.is_file():
         return path.stat().st_size / 1e6
-    pattern = "*.safetensors" if spec["kind"].startswith("torch") else "model.onnx*"
-    return folder_bytes(path, pattern) / 1e6
+    patterns = {"torch-kv": "*.safetensors", "torch-nokv": "*.safetensors", "openvino": "openvino_model.*"}
+    return folder_bytes(path, patterns.get(spec["kind"], "model.onnx*")) / 1e6
 
 
 def summarize(runs: list[dict], spec: dict, prompt_tokens: int, bandwidth: float) -> dict:
@@ -243,7 +272,7 @@ def quality_cell(name: str, spec: dict, quality_found: dict) -> str:
         return "int4's (greedy tokens unchanged)"
     if name in quality_found:
         return f"{quality_found[name]['ppl_ratio']:.3f}"
-    if spec["kind"] in ("torch-kv", "torch-nokv", "ort-plain") or Path(spec["path"]).name == "fp32":
+    if spec.get("float_weights"):
         return "1 (float weights)"
     return "not scored"
 

@@ -91,7 +91,7 @@ def test_quality_sits_beside_speed_and_absent_peers_are_named():
     results = {
         "ortforge int4": row | {"spec": {"kind": "ort", "path": "artifacts/m/variants/int4", "tuned": True}},
         "onnxruntime-genai int4 + its runtime": row | {"spec": {"kind": "genai", "path": "x/genai-int4"}},
-        "PyTorch fp32, KV cache": row | {"spec": {"kind": "torch-kv", "path": "x/hf"}},
+        "PyTorch fp32, KV cache": row | {"spec": {"kind": "torch-kv", "path": "x/hf", "float_weights": True}},
         "ortforge int4 + prompt lookup (3 tokens)": row
         | {"spec": {"kind": "ort", "path": "artifacts/m/variants/int4", "prompt_lookup": 3}},
     }
@@ -103,3 +103,24 @@ def test_quality_sits_beside_speed_and_absent_peers_are_named():
     assert "int4's (greedy tokens unchanged)" in lines["ortforge int4 + prompt lookup (3 tokens)"]
     absent = side_by_side.absent_peers({name: r["spec"] for name, r in results.items()})
     assert "onnxruntime-genai" not in absent and {"llama.cpp", "OpenVINO GenAI"} <= set(absent)
+
+
+def test_a_peers_replayed_logits_score_as_the_live_decoder_does(built, params):
+    """Peers in other processes (OpenVINO's venv) hand back logits of validate's sequences; replayed
+    through validate's own metrics they give the figures the live decoder gives, and a token that
+    is not the one scored fails instead of passing as a quality figure."""
+    from ortforge.decoder import Decoder
+    from tasks.evaluation.metrics import Reference, windows
+
+    reference, cfg = Reference.load(built["reference"]), params.validation.eval
+    decoder = Decoder.for_artifact(built["int4"])
+    sequences = engines.scored_sequences(reference)
+    assert sum(map(len, sequences)) == sum(len(t.ids) - 1 for t in reference.texts.values())
+    logits = [np.concatenate([w for _, w in windows(decoder, np.asarray(s), cfg.window, len(s))]) for s in sequences]
+
+    live = engines._scored(decoder, reference, cfg)
+    replayed = engines._scored(engines.ScoredLogits(sequences, logits), reference, cfg)
+    assert replayed == pytest.approx(live) and live["ppl_ratio"] > 1
+    shifted = [sequence[1:] + sequence[:1] for sequence in sequences]
+    with pytest.raises(ValueError, match="not the ones scored"):
+        engines._scored(engines.ScoredLogits(shifted, logits), reference, cfg)

@@ -11,6 +11,9 @@ Each subcommand prints exactly one JSON object on stdout; everything else goes t
             of each timed repeat and the milliseconds of every later token.
   load      streams of requests through ContinuousBatchingPipeline: aggregate tokens/s,
             first-token latency and inter-token p50/p95 of each request.
+  score     the logits of every position of each token sequence, fed in windows through the
+            model's own KV cache (its state) as ortforge's validate feeds a variant, one .npy per
+            sequence: its quality is then computed by ortforge's own metrics, not here.
 
 Example:
   /work/peers/openvino/bin/python benchmarks/peers/openvino_runner.py generate \\
@@ -85,7 +88,7 @@ def header(args) -> dict:
         "openvino_version": ov.get_version(),
         "threads": args.threads,
         "precision": args.precision,
-        "new_tokens": args.new_tokens,
+        "new_tokens": getattr(args, "new_tokens", None),
     }
 
 
@@ -135,20 +138,59 @@ def cmd_generate(args) -> dict:
     prompt, config = ids_tensor(prompt_ids), greedy_config(args.new_tokens)
     for _ in range(args.warmup):
         generate_once(pipe, prompt, config)
-    first_token_s, decode_ms, tokens = [], [], []
+    first_token_s, step_s, tokens = [], [], []
     for repeat in range(args.repeats):
         first, steps, tokens = generate_once(pipe, prompt, config)
         log.info("repeat %d: first token %.4f s, %d decode steps", repeat, first, len(steps))
         first_token_s.append(first)
-        decode_ms.extend(steps)
+        step_s.append([ms / 1e3 for ms in steps])
+    # The fields of ortforge's own timed runs (tasks.measurement.timing.timed_runs), so both are
+    # summarized by the same code.
     return header(args) | {
         "prompt_tokens": len(prompt_ids),
-        "load_s": load_s,
+        "load_seconds": load_s,
         "first_token_s": first_token_s,
-        "decode_ms_per_token": decode_ms,
+        "step_s": step_s,
         "tokens": tokens,
         "peak_rss_mb": peak_rss_mb(),
     }
+
+
+def cmd_score(args) -> dict:
+    sequences = read_ids(args.sequences)
+    core = ov.Core()
+    model = core.compile_model(
+        os.path.join(args.model, "openvino_model.xml"), "CPU", device_properties(args.threads, args.precision)
+    )
+    request = model.create_infer_request()
+    inputs = {name for port in model.inputs for name in port.get_names()}
+    written = []
+    for index, ids in enumerate(sequences):
+        request.reset_state()  # a new sequence starts from an empty cache
+        parts = []
+        for start in range(0, len(ids), args.window):
+            window = np.asarray(ids[start : start + args.window], dtype=np.int64).reshape(1, -1)
+            end = start + window.shape[1]
+            feed = {"input_ids": window, "attention_mask": np.ones((1, end), dtype=np.int64)}
+            if "position_ids" in inputs:
+                feed["position_ids"] = np.arange(start, end, dtype=np.int64).reshape(1, -1)
+            if "beam_idx" in inputs:
+                feed["beam_idx"] = np.zeros(1, dtype=np.int32)
+            request.infer(feed)
+            logits = request.get_tensor("logits").data
+            if logits.shape[1] != window.shape[1]:
+                raise SystemExit(f"the model returned logits for {logits.shape[1]} of {window.shape[1]} positions")
+            parts.append(np.array(logits[0], dtype=np.float32))
+        path = os.path.join(args.out, f"logits-{index}.npy")
+        np.save(path, np.concatenate(parts))
+        written.append(path)
+        log.info("sequence %d: %d tokens scored", index, len(ids))
+    # The CPU plugin picks these per CPU (bf16 and u8 where the CPU has them): the figures say which.
+    chosen = {}
+    for name in ("INFERENCE_PRECISION_HINT", "KV_CACHE_PRECISION"):
+        value = model.get_property(name)
+        chosen[name] = value.get_type_name() if isinstance(value, ov.Type) else str(value)
+    return header(args) | {"window": args.window, "logits": written, "properties": chosen}
 
 
 class Stream:
@@ -251,9 +293,10 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    def common(sub):
+    def common(sub, generates: bool = True):
         sub.add_argument("--model", required=True, help="folder of an optimum-cli OpenVINO export")
-        sub.add_argument("--new-tokens", type=int, required=True, help="tokens each request generates (EOS ignored)")
+        if generates:
+            sub.add_argument("--new-tokens", type=int, required=True, help="tokens per request (EOS ignored)")
         sub.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="INFERENCE_NUM_THREADS")
         sub.add_argument(
             "--precision",
@@ -274,6 +317,12 @@ def parse_args(argv=None):
     load.add_argument("--prompts", required=True, help="JSON file: a list of streams, each a list of token-id lists")
     load.add_argument("--warmup", type=int, default=1, help="untimed single requests first (default 1)")
     load.add_argument("--prefix-caching", action="store_true", help="let requests reuse cached prefixes (default off)")
+
+    score = commands.add_parser("score", help="logits of every position of token sequences, as .npy files")
+    common(score, generates=False)
+    score.add_argument("--sequences", required=True, help="JSON file: token-id lists, each from an empty cache")
+    score.add_argument("--window", type=int, required=True, help="tokens per model run (the cache carries between)")
+    score.add_argument("--out", required=True, help="folder for logits-<i>.npy")
     return parser.parse_args(argv)
 
 
@@ -283,7 +332,7 @@ def main(argv=None) -> None:
     # Native code may print to fd 1; keep the real stdout for our JSON and send the rest to stderr.
     out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
-    result = cmd_generate(args) if args.command == "generate" else cmd_load(args)
+    result = {"generate": cmd_generate, "load": cmd_load, "score": cmd_score}[args.command](args)
     out.write(json.dumps(result) + "\n")
     out.flush()
 
