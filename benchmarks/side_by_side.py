@@ -179,7 +179,7 @@ def absent_peers(specs: dict[str, dict]) -> dict[str, str]:
         absent["onnxruntime-genai"] = "onnxruntime-genai is not installed (pip install onnxruntime-genai)"
     if "llamacpp" not in kinds:
         absent["llama.cpp"] = (
-            "llama-cpp-python is not installed (pip install llama-cpp-python compiles llama.cpp, about 35 "
+            "llama-cpp-python is not installed (pip install llama-cpp-python compiles llama.cpp, about 6 "
             "minutes on 2 cores)"
             if importlib.util.find_spec("llama_cpp") is None
             else "the model was not built from a GGUF a package ships"

@@ -104,14 +104,15 @@ def architectures() -> str:
 def side_by_side_short() -> str:
     report = _json(RESULTS / "side_by_side.json")
     absent = "".join(f"\n- {peer}: {why}" for peer, why in report["absent_peers"].items())
+    peers = ", ".join(f"{name} {version}" for name, version in sorted(report["provenance"]["peers"].items()))
     return (
-        f"Read bandwidth measured in this run: {report['memory_bandwidth_gb_s']:.1f} GB/s. ppl ratio: the worst "
-        "evaluation text's perplexity against PyTorch fp32, measured as validate measures a variant.\n\n"
+        f"Read bandwidth measured in this run: {report['memory_bandwidth_gb_s']:.1f} GB/s. Peers: {peers or 'none'}. "
+        "ppl ratio: the worst evaluation text's perplexity against PyTorch fp32, measured as validate "
+        "measures a variant.\n\n"
         + table(report["short"], report["quality"])
         + "\n\nQuality in full (worst text each):\n\n"
         + quality_table(report["quality"])
-        + "\n\nNot in this run:"
-        + absent
+        + (f"\n\nNot in this run:{absent}" if absent else "")
     )
 
 
