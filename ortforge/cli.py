@@ -17,6 +17,7 @@ expected failure is one line, `error: ...`, naming the bad value and the fix, wi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.metadata
 import os
 import sys
@@ -26,6 +27,8 @@ EXIT_USAGE = 2
 # Entry points the build side provides: modules with add_commands(subparsers) and
 # expected_errors(), and functions (root, model, variant) -> the folder of a model's variant.
 COMMANDS = "ortforge.commands"
+API_KEY_VARIABLE = "ORTFORGE_API_KEY"
+MAX_QUEUE = 4096  # waiting requests hold their prompts in memory; past this, 429 is kinder
 RESOLVERS = "ortforge.resolvers"
 
 
@@ -64,6 +67,27 @@ def positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not a positive number of tokens; ask for at least 1")
+    return value
+
+
+def port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a TCP port; give 1-65535 (0: any free port)")
+    return value
+
+
+def queue_size(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= MAX_QUEUE:
+        raise argparse.ArgumentTypeError(f"{value} waiting requests: give 0-{MAX_QUEUE}")
+    return value
+
+
+def non_negative(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text} must be a number >= 0")
     return value
 
 
@@ -135,7 +159,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         missing = f"ortforge serve needs the serve extra ({error.name} is missing)"
         raise CliError(f"{missing}: pip install 'ortforge[serve]'") from None
     folder = _validated_folder(args)
-    server.serve(folder, args.host, args.port, args.slots, args.queue, args.prefix_cache_mb)
+    limits = server.Limits(shutdown_timeout=args.shutdown_timeout)
+    if args.max_body_mb is not None:
+        limits = dataclasses.replace(limits, max_body_bytes=int(args.max_body_mb * 1e6))
+    api_key = args.api_key or os.environ.get(API_KEY_VARIABLE) or None
+    server.serve(
+        folder, args.host, args.port, args.slots, args.queue, args.prefix_cache_mb, api_key, args.insecure, limits
+    )
     return 0
 
 
@@ -172,9 +202,30 @@ def _serve_command(commands) -> None:
     sub.set_defaults(handler=cmd_serve)
     _target_arguments(sub)
     sub.add_argument("--host", default="127.0.0.1", help="the address to bind (default 127.0.0.1: this machine only)")
-    sub.add_argument("--port", type=int, default=8000)
+    sub.add_argument("--port", type=port, default=8000, help="default 8000; 0: any free port (printed once bound)")
     sub.add_argument("--slots", type=positive, default=4, help="sequences decoded together (default 4)")
-    sub.add_argument("--queue", type=int, default=16, help="requests that may wait for a slot before 429 (default 16)")
+    sub.add_argument(
+        "--queue", type=queue_size, default=16, help="requests that may wait for a slot before 429 (default 16)"
+    )
+    sub.add_argument(
+        "--api-key",
+        help=f"require Authorization: Bearer KEY on every route but /health (or set {API_KEY_VARIABLE}); "
+        "needed to bind beyond loopback",
+    )
+    sub.add_argument("--insecure", action="store_true", help="allow a non-loopback --host without an API key")
+    sub.add_argument(
+        "--max-body-mb",
+        type=non_negative,
+        metavar="MB",
+        help="largest request body (default: room for the model's context, at least 1 MB; 413 past it)",
+    )
+    sub.add_argument(
+        "--shutdown-timeout",
+        type=non_negative,
+        default=30,
+        metavar="S",
+        help="on SIGTERM, seconds running requests get to finish before they end with an error (default 30)",
+    )
     sub.add_argument(
         "--prefix-cache-mb",
         type=float,

@@ -2,70 +2,81 @@
 
 GET /health, GET /v1/models, POST /v1/completions and POST /v1/chat/completions, streamed as
 server-sent events with `"stream": true`. Only a validated artifact is served (the CLI checks its
-stamp). Errors have OpenAI's JSON shape and a 4xx status: a malformed body 400, an unknown model
-404, `max_tokens` <= 0 or a prompt past the context 400, a full queue 429 with Retry-After. A
-client that disconnects cancels its request, which frees its slot at the next step.
+stamp). Errors have OpenAI's JSON shape and a 4xx status: a malformed body or a field this server
+does not implement 400 (ortforge.api says what a request may hold), a wrong or missing API key
+401, an unknown model 404, a body over the limit 413, a body that is not JSON 415, a prompt past
+the context 400, a full queue 429 with Retry-After. A client that disconnects cancels its request,
+which frees its slot at the next step.
 
-Needs the `serve` extra (FastAPI, uvicorn); the rest of the runtime does not import this module.
+The door: with an API key (`--api-key` or ORTFORGE_API_KEY) every route but /health needs
+`Authorization: Bearer <key>`; bound to loopback, the Host header must name loopback too (a web
+page cannot reach the server through DNS rebinding), and a POST must say `application/json` (a
+page's cross-site "simple" request cannot). /health answers 503 when the scheduler has stopped
+or has made no progress for `stall_seconds` while work waits. On SIGTERM the server stops
+admitting requests, gives running ones `shutdown_timeout` seconds, then ends them with an error;
+a second signal exits at once.
+
+Needs the `serve` extra (FastAPI, uvicorn, prometheus-client); the rest of the runtime does not import
+this module.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hmac
+import ipaddress
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, ValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
+from ortforge.api import ChatRequest, CompletionRequest, RequestError, Settings, parse_body, quoted
 from ortforge.chat import StopStrings, stop_strings
 from ortforge.generate import IncrementalDetokenizer, TextGenerator
+from ortforge.metrics import Observed, ServerMetrics
 from ortforge.sampling import Sampling
 from ortforge.scheduler import LENGTH, Job, QueueFull, Scheduler
 
 COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's default for /v1/completions
+MESSAGE_CHARACTERS = 400  # an error message longer than this quoted client input: cut it
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+POLL_SECONDS = 0.25  # how often a waiting request checks the shutdown deadline
+ROUTES = frozenset({"/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"})
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+    ):
         super().__init__(message)
-        self.status, self.kind, self.code = status, kind, code
+        self.status, self.kind, self.code, self.param = status, kind, code, param
+
+    @classmethod
+    def refused(cls, error: RequestError) -> ApiError:
+        return cls(error.status, str(error), code=error.code, param=error.param)
 
     def response(self) -> JSONResponse:
-        body = {"error": {"message": str(self), "type": self.kind, "param": None, "code": self.code}}
-        headers = {"Retry-After": "1"} if self.status == 429 else None
+        message = str(self)
+        if len(message) > MESSAGE_CHARACTERS:  # never echo a client's megabytes back
+            message = message[:MESSAGE_CHARACTERS] + f"... ({len(message)} characters)"
+        body = {"error": {"message": message, "type": self.kind, "param": self.param, "code": self.code}}
+        headers = {"Retry-After": "1"} if self.status in (429, 503) else None
         return JSONResponse(body, status_code=self.status, headers=headers)
-
-
-class Settings(BaseModel):
-    """The fields both endpoints take (OpenAI's, and top_k and repetition_penalty as extensions)."""
-
-    model_config = ConfigDict(extra="ignore")  # clients send fields that do not change the output (user, ...)
-    model: str
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: dict | None = None
-    n: int = 1
-
-
-class CompletionRequest(Settings):
-    prompt: str | list[str]
-
-
-class ChatRequest(Settings):
-    messages: list[dict]
-    max_completion_tokens: int | None = None
 
 
 @dataclass
@@ -74,14 +85,45 @@ class Reply:
 
     prompt_tokens: int
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    admitted: float = field(default_factory=time.perf_counter)
     completion_tokens: int = 0
     finish_reason: str | None = None
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What one request may take, and when the server counts itself stuck."""
+
+    max_body_bytes: int | None = None  # None: room for the model's whole context (body_limit)
+    stall_seconds: float = 120.0  # no token for this long while work waits: /health says 503
+    shutdown_timeout: float = 30.0
+
+
+def body_limit(context_tokens: int | None) -> int:
+    """A body that can hold the model's whole context: a token is a few characters, a character
+    at most 6 bytes of JSON (\\uXXXX), so 24 bytes a token, and never under 1 MB."""
+    return max(1_000_000, 24 * (context_tokens or 0))
+
+
 class Service:
-    def __init__(self, generator: TextGenerator, model_id: str, slots: int, queue_size: int, prefix_mb: float = 0):
+    def __init__(
+        self,
+        generator: TextGenerator,
+        model_id: str,
+        slots: int,
+        queue_size: int,
+        prefix_mb: float = 0,
+        limits: Limits | None = None,
+    ):
         self.generator, self.model_id = generator, model_id
         self.scheduler = Scheduler(generator, slots, queue_size, prefix_mb)
+        limits = limits or Limits()
+        if limits.max_body_bytes is None:
+            limits = dataclasses.replace(limits, max_body_bytes=body_limit(generator.decoder.context_length))
+        self.limits = limits
+        self.last_progress = time.monotonic()  # a token or an end, from the scheduler's thread
+        self.deadline: float | None = None  # set at shutdown: running requests end by then
+        self.metrics = ServerMetrics(self.scheduler)
 
     def start(self) -> Service:
         self.scheduler.start()
@@ -90,45 +132,96 @@ class Service:
     def check_model(self, model: str) -> None:
         if model != self.model_id:
             raise ApiError(
-                404, f"model '{model}' is not served here; this server serves '{self.model_id}'", code="model_not_found"
+                404,
+                f"model {quoted(model)} is not served here; this server serves '{self.model_id}'",
+                code="model_not_found",
+                param="model",
             )
+
+    def scheduler_running(self) -> bool:
+        return self.scheduler._thread.is_alive()  # noqa: SLF001 - the thread's life is the scheduler's
+
+    def busy(self) -> bool:
+        return bool(self.scheduler.active or self.scheduler.queued)
+
+    def liveness(self) -> tuple[bool, dict]:
+        """Whether the scheduler is making progress: alive, and with a token or an end within
+        stall_seconds whenever work waits."""
+        age = time.monotonic() - self.last_progress if self.busy() else 0.0
+        if not self.scheduler_running():
+            return False, {"problem": "the scheduler thread has stopped; restart the server"}
+        if age > self.limits.stall_seconds:
+            return False, {"problem": f"no progress for {age:.0f} s while requests wait", "stalled_seconds": age}
+        return True, {"seconds_since_progress": round(age, 3)}
+
+    def begin_shutdown(self) -> None:
+        self.deadline = time.monotonic() + self.limits.shutdown_timeout
 
     def submit(self, prompt_ids: list[int], body: Settings, default_tokens: int) -> tuple[Reply, Job]:
         """Queue the request; ApiError for a bad setting, a prompt past the context or a full queue."""
+        if self.deadline is not None:
+            raise ApiError(503, "the server is shutting down; retry on another instance", kind="server_unavailable")
+        if not self.scheduler_running():
+            raise ApiError(503, "the scheduler has stopped; restart the server", kind="server_error")
         asked = [getattr(body, "max_completion_tokens", None), body.max_tokens]  # chat's newer name first
         max_tokens = next((n for n in asked if n is not None), default_tokens)
         if max_tokens < 1:
-            raise ApiError(400, f"max_tokens {max_tokens} must be at least 1")
-        if body.n != 1:
-            raise ApiError(400, f"n={body.n}: this server returns one choice per request; send n=1")
+            raise ApiError(400, f"max_tokens {max_tokens} must be at least 1", param="max_tokens")
         try:
-            sampling = Sampling(body.temperature, body.top_k, body.top_p, body.repetition_penalty, body.seed)
+            sampling = Sampling(*body.sampling_values())
             self.generator.checked_prompt(prompt_ids, max_tokens)
+        except RequestError as error:
+            raise ApiError.refused(error) from None
         except ValueError as error:
             code = "context_length_exceeded" if "context" in str(error) else None
             raise ApiError(400, str(error), code=code) from None
         reply, loop = Reply(len(prompt_ids)), asyncio.get_running_loop()
 
         def on_token(token: int) -> None:
+            self.last_progress = time.monotonic()
             loop.call_soon_threadsafe(reply.queue.put_nowait, token)
 
         def on_end(reason: str) -> None:
+            self.last_progress = time.monotonic()
             loop.call_soon_threadsafe(reply.queue.put_nowait, reason)
 
         job = Job(prompt_ids, max_tokens, on_token, on_end, sampling)
+        if not self.busy():  # the stall clock starts when work arrives, not at the last reply
+            self.last_progress = time.monotonic()
         try:
             self.scheduler.submit(job)
         except QueueFull as error:
             raise ApiError(429, f"{error}; retry shortly", kind="server_busy", code="queue_full") from None
         return reply, job
 
+    async def next_item(self, reply: Reply):
+        """The job's next token or end; past the shutdown deadline, or with the scheduler gone,
+        an ApiError instead (checked between tokens and every POLL_SECONDS while none comes)."""
+        while True:
+            if self.deadline is not None and time.monotonic() > self.deadline:
+                raise ApiError(
+                    503, "the server shut down before this reply was finished; retry", kind="server_unavailable"
+                )
+            try:
+                return await asyncio.wait_for(reply.queue.get(), timeout=POLL_SECONDS)
+            except TimeoutError:
+                if not self.scheduler_running():
+                    raise ApiError(503, "the scheduler stopped; restart the server", kind="server_error") from None
+
     async def pieces(self, reply: Reply, job: Job, stops: tuple[str, ...]):
         """The reply's text pieces as they come, up to a stop string; sets its finish reason. The
         job is cancelled (its slot freed) however this ends early: a stop string or a client gone."""
         detokenizer, cut = IncrementalDetokenizer(self.generator.tokenizer), StopStrings(stops)
+        last = reply.admitted
         try:
             while True:
-                item = await reply.queue.get()
+                item = await self.next_item(reply)
+                if not isinstance(item, str):
+                    now = time.perf_counter()
+                    timing = self.metrics.inter_token if reply.completion_tokens else self.metrics.first_token
+                    timing.observe(now - last)
+                    self.metrics.tokens.inc()
+                    last = now
                 if isinstance(item, str):  # the end: a reason, or an error
                     if item.startswith("error: "):
                         raise ApiError(500, item.removeprefix("error: "), kind="server_error")
@@ -156,17 +249,24 @@ def usage(reply: Reply) -> dict:
     }
 
 
-async def parsed(request: Request, model: type[BaseModel]) -> BaseModel:
+async def parsed(request: Request, model: type[Settings], limit: int) -> Settings:
+    """The body as model: JSON by its Content-Type, within the size limit, read no further."""
+    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media_type != "application/json":
+        raise ApiError(415, f"Content-Type {quoted(media_type or 'none')}: send the body as application/json")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the body is {int(declared)} bytes; this server takes at most {limit} (--max-body-mb)")
+    body, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"the body is over {limit} bytes, the most this server takes (--max-body-mb)")
+        body.append(chunk)
     try:
-        data = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ApiError(400, f"the request body is not valid JSON ({error}); send a JSON object") from None
-    try:
-        return model.model_validate(data)
-    except ValidationError as error:
-        first = error.errors()[0]
-        where = ".".join(str(part) for part in first["loc"]) or "body"
-        raise ApiError(400, f"{where}: {first['msg']}") from None
+        return parse_body(b"".join(body), model)
+    except RequestError as error:
+        raise ApiError.refused(error) from None
 
 
 async def collect(service: Service, request: Request, reply: Reply, job: Job, stops) -> str:
@@ -192,8 +292,50 @@ def sse(chunk: dict) -> str:
     return f"data: {json.dumps(chunk)}\n\n"
 
 
-def create_app(service: Service) -> FastAPI:
-    app = FastAPI(title="ortforge", docs_url=None, redoc_url=None)
+class Door:
+    """ASGI middleware in front of every route: the API key and, on loopback, the Host header.
+    (Pure ASGI, not Starlette's BaseHTTPMiddleware, which would buffer streamed replies.)"""
+
+    def __init__(self, app, api_key: str | None, loopback: bool):
+        self.app, self.api_key, self.loopback = app, api_key, loopback
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and (refusal := self.refusal(scope["path"], Headers(scope=scope))):
+            return await refusal.response()(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+    def refusal(self, path: str, headers: Headers) -> ApiError | None:
+        if self.loopback and (host := headers.get("host")) is not None and host_name(host) not in LOOPBACK_NAMES:
+            return ApiError(400, f"Host {quoted(host)} is not this machine; the server listens on loopback only")
+        if self.api_key is None or path == "/health":
+            return None
+        scheme, _, key = headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
+            message = "a valid API key is required: send Authorization: Bearer <key>"
+            return ApiError(401, message, code="invalid_api_key")
+        return None
+
+
+def host_name(host: str) -> str:
+    """The name in a Host header, without its port: "[::1]:8000" -> "::1"."""
+    if host.startswith("["):
+        return host[1 : host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def create_app(service: Service, api_key: str | None = None, loopback: bool = True) -> FastAPI:
+    app = FastAPI(title="ortforge", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(Door, api_key=api_key, loopback=loopback)
+    app.add_middleware(Observed, metrics=service.metrics, routes=ROUTES)  # outermost: sees the door's answers too
 
     @app.exception_handler(ApiError)
     async def api_error(_, error: ApiError):
@@ -203,17 +345,31 @@ def create_app(service: Service) -> FastAPI:
     async def http_error(_, error: HTTPException):
         return ApiError(error.status_code, str(error.detail)).response()
 
+    @app.exception_handler(Exception)
+    async def unexpected(_, error: Exception):  # a bug of ours: still OpenAI's shape, never a traceback
+        message = f"internal error ({type(error).__name__}); please report it"
+        return ApiError(500, message, kind="server_error").response()
+
     @app.get("/health")
     async def health():
         scheduler = service.scheduler
-        return {
-            "status": "ok",
+        alive, figures = service.liveness()
+        body = {
+            "status": "ok" if alive else "stuck",
             "model": service.model_id,
             "slots": scheduler.slots,
             "active": len(scheduler.active),
             "queued": scheduler.queued,
             "batching": scheduler.note,
+            **figures,
         }
+        return JSONResponse(body, status_code=200 if alive else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models():
@@ -221,25 +377,24 @@ def create_app(service: Service) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await parsed(request, CompletionRequest)
+        body = await parsed(request, CompletionRequest, service.limits.max_body_bytes)
         service.check_model(body.model)
-        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
-        if len(prompts) != 1:
-            raise ApiError(400, f"prompt: {len(prompts)} prompts; send one per request")
-        try:
-            prompt_ids = service.generator.encode_prompt(prompts[0])
+        try:  # off the event loop: a long prompt must not stall every other stream
+            prompt_ids = await run_in_threadpool(service.generator.encode_prompt, body.text())
         except ValueError as error:
-            raise ApiError(400, f"prompt: {error}") from None
+            raise ApiError(400, f"prompt: {error}", param="prompt") from None
         return await respond(request, body, prompt_ids, COMPLETION_DEFAULT_TOKENS, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await parsed(request, ChatRequest)
+        body = await parsed(request, ChatRequest, service.limits.max_body_bytes)
         service.check_model(body.model)
         try:
-            prompt_ids = service.generator.encode_chat(body.messages)
+            prompt_ids = await run_in_threadpool(service.generator.encode_chat, body.plain_messages())
+        except RequestError as error:
+            raise ApiError.refused(error) from None
         except ValueError as error:
-            raise ApiError(400, f"messages: {error}") from None
+            raise ApiError(400, f"messages: {error}", param="messages") from None
         context = service.generator.decoder.context_length or len(prompt_ids) + 1024
         return await respond(request, body, prompt_ids, max(1, context - len(prompt_ids)), chat=True)
 
@@ -247,7 +402,7 @@ def create_app(service: Service) -> FastAPI:
         try:
             stops = stop_strings(body.stop or ())
         except ValueError as error:
-            raise ApiError(400, f"stop: {error}") from None
+            raise ApiError(400, f"stop: {error}", param="stop") from None
         reply, job = service.submit(prompt_ids, body, default_tokens)
         shape = Shape(service.model_id, chat)
         if body.stream:
@@ -314,9 +469,71 @@ def model_id(folder: Path) -> str:
     return f"{folder.parents[1].name}/{folder.name}" if folder.parent.name == "variants" else folder.name
 
 
-def serve(folder: Path, host: str, port: int, slots: int, queue_size: int, prefix_mb: float) -> None:
-    import uvicorn
+def listening_socket(host: str, port: int):
+    """The socket the server will listen on, bound now: a taken port or a bad address is one
+    line before the model loads, and the URL printed is the one bound (port 0: any free port)."""
+    import socket
 
-    service = Service(TextGenerator(folder), model_id(folder), slots, queue_size, prefix_mb).start()
-    print(f"serving {service.model_id} on http://{host}:{port}/v1 ({service.scheduler.note})", flush=True)
-    uvicorn.run(create_app(service), host=host, port=port, log_level="warning")
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as error:
+        reason = error.strerror or error
+        raise ValueError(f"cannot listen on {host}:{port} ({reason}); pick another --port or --host") from None
+    return sock
+
+
+def serve(
+    folder: Path,
+    host: str,
+    port: int,
+    slots: int,
+    queue_size: int,
+    prefix_mb: float,
+    api_key: str | None = None,
+    insecure: bool = False,
+    limits: Limits | None = None,
+) -> None:
+    loopback = is_loopback(host)
+    if not loopback and api_key is None and not insecure:
+        raise ValueError(
+            f"--host {host} is reachable from other machines and no API key is set; give --api-key (or "
+            "ORTFORGE_API_KEY), or --insecure to serve without one"
+        )
+    sock = listening_socket(host, port)
+    service = Service(TextGenerator(folder), model_id(folder), slots, queue_size, prefix_mb, limits).start()
+    bound = sock.getsockname()[1]
+    shown = f"[{host}]" if ":" in host else host
+    print(f"serving {service.model_id} on http://{shown}:{bound}/v1 ({service.scheduler.note})", flush=True)
+    if not loopback and api_key is None:
+        print(f"warning: no API key: anyone who can reach {host}:{bound} can use this server", flush=True)
+    access = logging.getLogger("ortforge.access")
+    access.addHandler(logging.StreamHandler())
+    access.setLevel(logging.INFO)
+    app = create_app(service, api_key, loopback)
+    server = GracefulServer(service, uvicorn.Config(app, log_level="warning"))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        if not server.force_exit:
+            service.scheduler.stop()
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server with a bounded shutdown: the first signal stops admission and gives the
+    running requests the service's shutdown_timeout (they then end with an error); a second
+    signal of any kind exits at once (uvicorn alone forces only on a second Ctrl-C)."""
+
+    def __init__(self, service: Service, config):
+        config.timeout_graceful_shutdown = service.limits.shutdown_timeout + 5  # a backstop past our own
+        super().__init__(config)
+        self.service = service
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.should_exit:
+            self.force_exit = True
+        else:
+            self.service.begin_shutdown()
+        super().handle_exit(sig, frame)

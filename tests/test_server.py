@@ -40,20 +40,21 @@ def chat_folder(built, tmp_path_factory):
 
 
 @contextlib.contextmanager
-def serving(folder, slots=2, queue_size=8):
+def serving(folder, slots=2, queue_size=8, limits=None, api_key=None):
     import uvicorn
 
-    from ortforge.server import Service, create_app
+    from ortforge.server import GracefulServer, Service, create_app
 
-    service = Service(TextGenerator(folder), MODEL, slots, queue_size).start()
+    service = Service(TextGenerator(folder), MODEL, slots, queue_size, limits=limits).start()
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(service), log_level="warning"))
+    server = GracefulServer(service, uvicorn.Config(create_app(service, api_key), log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.time() + 30
     while not server.started and time.time() < deadline:
         time.sleep(0.02)
+    service.http_server = server  # for the shutdown test's signals
     try:
         yield f"http://127.0.0.1:{sock.getsockname()[1]}", service
     finally:
@@ -156,21 +157,171 @@ def test_concurrent_clients_get_their_batch_1_text(server, chat_folder):
     "body, status, says",
     [
         (b"{not json", 400, "not valid JSON"),
+        (b'{"model": "tiny/fp32", "prompt": "\\ud800"}', 400, "unpaired surrogate"),
+        (b"[" * 100_000 + b"]" * 100_000, 400, "deeper than"),
         ({"model": "other", "prompt": "x"}, 404, "model 'other' is not served here"),
         ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens 0 must be at least 1"),
         ({"model": MODEL, "prompt": "x " * 5000, "max_tokens": 8}, 400, "does not fit the model's context"),
         ({"model": MODEL, "prompt": ""}, 400, "the prompt is empty"),
         ({"model": MODEL}, 400, "prompt: Field required"),
-        ({"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature -1.0 must be >= 0"),
+        ({"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature: Input should be greater than"),
+        ({"model": MODEL, "prompt": "x", "temperature": 1e-308}, 400, "too small to sample with"),
+        ({"model": MODEL, "prompt": "x", "temperature": 1, "repetition_penalty": 1e-320}, 400, "repetition_penalty"),
+        ({"model": MODEL, "prompt": "x", "seed": -1}, 400, "seed: Input should be greater than"),
+        ({"model": MODEL, "prompt": "x", "logprobs": 2}, 400, "logprobs=2: not supported by this server"),
+        ({"model": MODEL, "prompt": "x", "made_up": 1}, 400, "made_up: not a field this endpoint takes"),
+        (b'{"model": "\\ud800x", "prompt": "x"}', 400, "unpaired surrogate"),
+        ({"model": "m" * 5000, "prompt": "x"}, 404, "(5000 characters) is not served here"),
     ],
 )
 def test_bad_requests_get_openai_style_errors(server, body, status, says):
+    """The hostile-input table: each case its status, OpenAI's error shape, and a server still serving."""
     url, _ = server
-    sent = {"content": body} if isinstance(body, bytes) else {"json": body}
+    sent = (
+        {"content": body, "headers": {"content-type": "application/json"}}
+        if isinstance(body, bytes)
+        else {"json": body}
+    )
     answer = httpx.post(f"{url}/v1/completions", **sent, timeout=30)
-    assert answer.status_code == status
+    assert answer.status_code == status, answer.text
     error = answer.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
     assert says in error["message"] and error["type"] == "invalid_request_error"
+    assert_serving(url)
+
+
+def assert_serving(url: str, **headers) -> None:
+    assert httpx.get(f"{url}/health", headers=headers).status_code == 200
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "temperature": 0}
+    answer = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=30)
+    assert answer.status_code == 200, answer.text
+
+
+@pytest.mark.parametrize(
+    "messages, says",
+    [
+        ([{"role": "villain", "content": "x" * 500_000}], "role"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}], "only text parts"),
+        ([], "messages"),
+    ],
+)
+def test_bad_chat_messages_are_400_and_quote_little(server, messages, says):
+    url, _ = server
+    answer = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": messages}, timeout=60)
+    assert answer.status_code == 400 and says in answer.json()["error"]["message"]
+    assert len(answer.content) < 1000  # the half-megabyte message is not echoed back
+    assert_serving(url)
+
+
+def test_openai_clients_fields_are_honoured(client, chat_folder):
+    """null for optional fields, text parts, the developer role, greedy with top_p: OpenAI accepts
+    them and so does the server, with the text a plain request gets."""
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": " there"}]
+    asked = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "developer", "content": "Be brief."}, {"role": "user", "content": parts}],
+        max_tokens=4,
+        temperature=0,
+        top_p=0.1,
+        extra_body={"seed": None, "stop": None},
+    )
+    generator = TextGenerator(chat_folder)
+    expected = generator.chat(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}], 4
+    )
+    assert asked.choices[0].message.content == "".join(expected)
+
+
+def test_the_door_content_type_host_size_and_key(chat_folder):
+    from ortforge.server import Limits
+
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}
+    with serving(chat_folder, limits=Limits(max_body_bytes=4000), api_key="sesame") as (url, _):
+        key = {"authorization": "Bearer sesame"}
+        assert httpx.post(f"{url}/v1/completions", json=body).status_code == 401
+        wrong = httpx.post(f"{url}/v1/completions", json=body, headers={"authorization": "Bearer sesam"})
+        assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(f"{url}/health").status_code == 200  # a load balancer's probe needs no key
+        simple = httpx.post(
+            f"{url}/v1/completions", content=json.dumps(body), headers=key | {"content-type": "text/plain"}
+        )
+        assert simple.status_code == 415  # a web page's cross-site "simple" POST
+        rebound = httpx.post(f"{url}/v1/completions", json=body, headers=key | {"host": "evil.example:80"})
+        assert rebound.status_code == 400 and "loopback" in rebound.json()["error"]["message"]
+        big = httpx.post(f"{url}/v1/completions", json=body | {"prompt": "x" * 5000}, headers=key)
+        assert big.status_code == 413
+        chunked = httpx.post(
+            f"{url}/v1/completions",
+            content=iter([b'{"prompt": "', b"x" * 5000, b'"}']),
+            headers=key | {"content-type": "application/json"},
+        )
+        assert chunked.status_code == 413  # no Content-Length: counted as it arrives
+        assert_serving(url, **key)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread's death is the case
+def test_a_dead_or_stuck_scheduler_is_503_never_a_hang(chat_folder, monkeypatch):
+    """/health tells a stuck loop apart: a thread that died, or no progress while work waits."""
+    from ortforge import sampling
+    from ortforge.server import Limits
+
+    def broken(self, logits, seen):
+        raise FloatingPointError("a sampler that fails")
+
+    with serving(chat_folder, limits=Limits(stall_seconds=60)) as (url, service):
+        monkeypatch.setattr(sampling.Sampler, "pick", broken)
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}
+        in_flight = httpx.post(f"{url}/v1/completions", json=body, timeout=10)
+        assert in_flight.status_code == 503 and "scheduler" in in_flight.json()["error"]["message"]
+        health = httpx.get(f"{url}/health")
+        assert health.status_code == 503 and "stopped" in health.json()["problem"]
+        refused = httpx.post(f"{url}/v1/completions", json=body, timeout=5)
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+
+
+def test_no_progress_while_work_waits_is_503(chat_folder, monkeypatch):
+    from ortforge.server import Limits
+
+    step = BatchDecoder.step
+
+    def stuck(self, tokens):  # wide margins: a loaded machine delays the first token's delivery
+        time.sleep(4)
+        return step(self, tokens)
+
+    monkeypatch.setattr(BatchDecoder, "step", stuck)
+    with serving(chat_folder, limits=Limits(stall_seconds=0.5)) as (url, _):
+        assert httpx.get(f"{url}/health").status_code == 200  # idle is not stuck
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as held:
+            lines = held.iter_lines()
+            next(lines)  # the first token, from the prefill; the one step after it takes 4 s
+            time.sleep(1)
+            health = httpx.get(f"{url}/health")
+            assert health.status_code == 503 and "no progress" in health.json()["problem"]
+            list(lines)
+        assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_shutdown_ends_running_requests_by_its_deadline(chat_folder, slow_steps, long_prompt):
+    """SIGTERM: no new requests, running ones get shutdown_timeout and then an error event; a
+    second signal forces the exit."""
+    import signal
+
+    from ortforge.server import Limits
+
+    with serving(chat_folder, limits=Limits(shutdown_timeout=0.5)) as (url, service):
+        body = {"model": MODEL, "prompt": long_prompt, "max_tokens": 100, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as held:
+            lines = held.iter_lines()
+            next(lines)
+            service.http_server.handle_exit(signal.SIGTERM, None)
+            started = time.time()
+            rest = [line for line in lines if line]
+        assert time.time() - started < 5  # 100 steps of 20 ms would take 2 s: it ended at the deadline
+        assert "shut down" in json.loads(rest[-1][6:])["error"]["message"]
+        assert service.scheduler.active == {} or not service.http_server.force_exit
+        service.http_server.handle_exit(signal.SIGTERM, None)
+        assert service.http_server.force_exit
 
 
 def test_chat_refuses_max_completion_tokens_0(server):
@@ -188,11 +339,16 @@ def test_the_openai_client_sees_the_errors_it_knows(client):
     assert httpx.get(f"{client.base_url}nowhere").json()["error"]["message"] == "Not Found"
 
 
-def test_a_full_queue_answers_429_and_a_gone_client_frees_its_slot(chat_folder, slow_steps):
+@pytest.fixture(scope="module")
+def long_prompt(chat_folder) -> str:
+    """A prompt the tiny model continues for all 100 tokens (no end-of-sequence token on the way)."""
     generator = TextGenerator(chat_folder)
     candidates = [f"{PROMPT} {word}" for word in ("free", "software", "rights", "copies", "source", "terms")]
-    # a prompt the tiny model continues for all 100 tokens (no end-of-sequence token on the way)
-    prompt = next(p for p in candidates if len(generator.generate_ids(generator.encode(p), 100)) == 100)
+    return next(p for p in candidates if len(generator.generate_ids(generator.encode(p), 100)) == 100)
+
+
+def test_a_full_queue_answers_429_and_a_gone_client_frees_its_slot(chat_folder, slow_steps, long_prompt):
+    prompt = long_prompt
     with serving(chat_folder, slots=1, queue_size=0) as (url, service):
         body = {"model": MODEL, "prompt": prompt, "max_tokens": 100, "temperature": 0, "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as held:
@@ -226,3 +382,147 @@ def test_streamed_events_are_server_sent_events(server):
         events = [line for line in answer.iter_lines() if line]
     assert all(line.startswith("data: ") for line in events) and events[-1] == "data: [DONE]"
     assert json.loads(events[0][6:])["object"] == "text_completion"
+
+
+def fuzzed_requests():
+    """(path, body) as careful, careless and hostile clients send them: well-formed requests with
+    values drawn from the whole valid range, and plausible fields with values of any JSON type,
+    unknown fields, nulls and wrong shapes, to either endpoint."""
+    from hypothesis import strategies as st
+
+    anything = st.recursive(
+        st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+        max_leaves=8,
+    )
+    numbers = st.floats(min_value=-3, max_value=3) | st.integers(-5, 300)
+    valid_settings = {
+        "temperature": st.floats(0, 2) | st.none(),
+        "top_p": st.floats(0, 1) | st.none(),
+        "top_k": st.integers(0, 50),
+        "repetition_penalty": st.floats(0.5, 2),
+        "seed": st.integers(0, 2**63 - 1) | st.none(),
+        "stop": st.lists(st.text(min_size=1, max_size=3), max_size=4) | st.text(min_size=1, max_size=3),
+        "stream": st.booleans(),
+        "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+        "logprobs": st.just(False),
+        "user": st.text(max_size=8),
+    }
+    valid_completion = st.fixed_dictionaries(
+        {"model": st.just(MODEL), "prompt": st.text(min_size=1, max_size=60), "max_tokens": st.integers(1, 6)},
+        optional=valid_settings,
+    )
+    valid_message = st.fixed_dictionaries(
+        {"role": st.sampled_from(["system", "developer", "user", "assistant"]), "content": st.text(max_size=40)}
+    )
+    valid_chat = st.fixed_dictionaries(
+        {"model": st.just(MODEL), "messages": st.lists(valid_message, min_size=1, max_size=3)},
+        optional=valid_settings | {"max_completion_tokens": st.integers(1, 6)},
+    ).map(lambda body: body if "max_completion_tokens" in body else body | {"max_tokens": 4})
+    message = st.fixed_dictionaries(
+        {"role": st.sampled_from(["system", "developer", "user", "assistant", "tool", ""]) | anything},
+        optional={"content": st.text(max_size=40) | anything, "name": st.text(max_size=5)},
+    )
+    plausible = {
+        "prompt": st.text(max_size=60) | st.lists(st.text(max_size=20), max_size=2) | anything,
+        "messages": st.lists(message, max_size=3) | anything,
+        "max_tokens": st.integers(-2, 8) | anything,
+        "max_completion_tokens": st.integers(-2, 8) | st.none(),
+        "temperature": numbers | st.none() | st.just(1e-308),
+        "top_p": numbers | st.none(),
+        "top_k": st.integers(-2, 50) | anything,
+        "repetition_penalty": numbers | st.just(1e-320),
+        "seed": st.integers(-(2**65), 2**65) | anything,
+        "stop": st.text(max_size=4) | st.lists(st.text(max_size=4), max_size=6) | anything,
+        "stream": st.booleans() | anything,
+        "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}) | anything,
+        "n": st.integers(0, 3) | anything,
+        "logprobs": st.booleans() | st.integers(0, 5),
+        "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}]) | anything,
+        "frequency_penalty": numbers,
+        "made_up": anything,
+    }
+    hostile = st.fixed_dictionaries({"model": st.just(MODEL) | anything}, optional=plausible)
+    paths = st.sampled_from(["/v1/completions", "/v1/chat/completions"])
+    return st.one_of(
+        st.tuples(st.just("/v1/completions"), valid_completion),
+        st.tuples(st.just("/v1/chat/completions"), valid_chat),
+        st.tuples(paths, hostile),
+    )
+
+
+def test_fuzzed_requests_never_get_a_5xx_and_leave_the_server_serving(server):
+    """2,000 generated requests (derandomized, so a failure reproduces) over both endpoints."""
+    from hypothesis import HealthCheck, given, settings
+
+    url, _ = server
+    statuses: dict[int, int] = {}
+
+    @settings(
+        max_examples=2000,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    @given(request=fuzzed_requests())
+    def one_request(request):
+        path, body = request
+        raw = json.dumps(body).encode()  # Python's JSON: NaN and Infinity pass too, as some clients send them
+        answer = httpx.post(f"{url}{path}", content=raw, headers={"content-type": "application/json"}, timeout=60)
+        statuses[answer.status_code] = statuses.get(answer.status_code, 0) + 1
+        assert answer.status_code < 500, (body, answer.text)
+        if answer.status_code >= 400:
+            assert set(answer.json()["error"]) == {"message", "type", "param", "code"}
+
+    one_request()
+    print(f"fuzzed requests by status: {dict(sorted(statuses.items()))}")
+    assert sum(statuses.values()) >= 2000 and statuses.get(200, 0) > 300, statuses  # many got through
+    assert_serving(url)
+
+
+def test_metrics_count_requests_tokens_and_latency(chat_folder, long_prompt, caplog):
+    """/metrics in Prometheus' format, and one access-log line per request without its text."""
+    import logging
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with caplog.at_level(logging.INFO, logger="ortforge.access"), serving(chat_folder) as (url, _):
+        body = {"model": MODEL, "prompt": long_prompt, "max_tokens": 5, "temperature": 0}
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 200
+        assert httpx.post(f"{url}/v1/completions", json=body | {"seed": -1}, timeout=30).status_code == 400
+        httpx.get(f"{url}/no/such/route")
+        samples = {
+            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
+            for sample in family.samples
+        }
+    assert samples[("ortforge_requests_total", (("path", "/v1/completions"), ("status", "200")))] == 1
+    assert samples[("ortforge_requests_total", (("path", "/v1/completions"), ("status", "400")))] == 1
+    assert samples[("ortforge_requests_total", (("path", "other"), ("status", "404")))] == 1
+    assert samples[("ortforge_generated_tokens_total", ())] == 5
+    assert samples[("ortforge_time_to_first_token_seconds_count", ())] == 1
+    assert samples[("ortforge_inter_token_seconds_count", ())] == 4
+    assert samples[("ortforge_queue_depth", ())] == 0 and samples[("ortforge_slots", ())] == 2
+    assert samples[("ortforge_kv_cache_allocated_bytes", ())] > 0
+    lines = [json.loads(record.getMessage()) for record in caplog.records if record.name == "ortforge.access"]
+    assert [line["status"] for line in lines[:3]] == [200, 400, 404]
+    assert all(long_prompt not in json.dumps(line) for line in lines)
+
+
+def test_serve_checks_its_port_queue_and_door_before_loading_the_model(chat_folder, capsys):
+    from ortforge import server
+
+    for flags, says in ((["--port", "99999"], "not a TCP port"), (["--queue", "-1"], "waiting requests")):
+        with pytest.raises(SystemExit) as stopped:
+            cli.parser().parse_args(["serve", str(chat_folder), *flags])
+        assert stopped.value.code == 2 and says in capsys.readouterr().err
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    with pytest.raises(ValueError, match="pick another --port"):
+        server.listening_socket("127.0.0.1", taken.getsockname()[1])
+    taken.close()
+    with pytest.raises(ValueError, match="no API key is set; give --api-key"):
+        server.serve(chat_folder, "0.0.0.0", 0, 2, 8, 0)  # refused before the model loads or a port binds
+    assert server.listening_socket("127.0.0.1", 0).getsockname()[1] > 0  # port 0: a free port, known once bound
