@@ -246,12 +246,15 @@ def main(argv: list[str] | None = None) -> int:
         "prompt_tokens": PROMPT_TOKENS,
         "variants": {},
     }
+    # A fresh process imports the function's module by name: this script's, not __main__.
+    from benchmarks import step_profile as here
+
     for variant in args.variants:
         folder = str(paths.variant_dir(args.model, variant))
         print(f"{variant}: profiling", flush=True)
-        figures = in_fresh_process(profile_variant, folder, prompts, args.steps, args.repeats)
+        figures = in_fresh_process(here.profile_variant, folder, prompts, args.steps, args.repeats)
         print(f"{variant}: scheduler", flush=True)
-        figures["scheduler"] = in_fresh_process(scheduler_time, folder, prompts, args.new_tokens)
+        figures["scheduler"] = in_fresh_process(here.scheduler_time, folder, prompts, args.new_tokens)
         report["variants"][variant] = figures
     print(table(report))
     print("\n".join(batching_cost(report)))
