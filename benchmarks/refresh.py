@@ -32,6 +32,7 @@ COMMANDS = {
     "cache_reuse.json": "python benchmarks/cache_reuse.py",
     "scale.json": "python benchmarks/scale.py",
     "continuations-gemma3-270m.json": "python benchmarks/continuations.py --model gemma3-270m",
+    "step_profile.json": "python benchmarks/step_profile.py",
 }
 
 

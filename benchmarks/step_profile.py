@@ -220,16 +220,29 @@ def _ms(value: float | None) -> str:
 
 
 def batching_cost(report: dict) -> list[str]:
-    """Each variant's 8-row step against its 1-row step: what a batched step costs per extra row."""
+    """Per variant: what a step of 8 rows costs against 1 row, which operators grow, and the
+    Python's share of a plain 1-row step."""
     lines = []
     for variant, figures in report["variants"].items():
         one, eight = (figures["scheduler"][rows]["batch_step_ms_p50"] for rows in ("1", "8"))
-        profiled = figures["phases"][step_label(8)]["model_run_ms"] / figures["phases"][step_label(1)]["model_run_ms"]
+        ops_one, ops_eight = (figures["phases"][step_label(rows)]["ops_ms"] for rows in (1, 8))
+        growth = {
+            kind: _sum(ops_eight, prefix) / _sum(ops_one, prefix)
+            for kind, prefix in (("matmuls", "MatMul"), ("attention", "GroupQueryAttention"))
+        }
+        python = figures["phases"][step_label(1)]["python_ms"]
+        own = figures["scheduler"]["1"]["scheduler_python_ms"]
         lines.append(
             f"- {variant}: a step of 8 rows takes x{eight / one:.2f} the time of 1 row ({one:.1f} -> {eight:.1f} ms "
-            f"without the profiler; its model runs x{profiled:.2f} under it)"
+            f"without the profiler); from 1 to 8 rows its matmuls take x{growth['matmuls']:.2f} and attention "
+            f"x{growth['attention']:.2f}; the Python around a 1-row step's run {python:.2f} ms ({python / one:.0%} of "
+            f"the step), the scheduler's own {own:.2f} ms"
         )
     return lines
+
+
+def _sum(ops: dict[str, float], prefix: str) -> float:
+    return sum(ms for op, ms in ops.items() if op.startswith(prefix))
 
 
 def main(argv: list[str] | None = None) -> int:

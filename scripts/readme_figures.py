@@ -23,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks import continuations, provenance, refresh, scale  # noqa: E402
+from benchmarks import continuations, provenance, refresh, scale, step_profile  # noqa: E402
 from benchmarks.side_by_side import chain_table, quality_table, table  # noqa: E402
 from tasks.reporting import gates  # noqa: E402
 
@@ -294,6 +294,22 @@ def kv_cache() -> str:
     return "\n".join(lines)
 
 
+def step_profile_summary() -> str:
+    report = _json(RESULTS / "step_profile.json")
+    return "\n".join(
+        [
+            f"{report['model']}, {report['prompt_tokens']}-token prompts without a shared prefix, {report['cpus']} "
+            "cores, each variant with its tuned settings. The profiler slows a small step a lot (compare the first "
+            "two columns), so read its operator times as shares; the plain step and the scheduler's own time come "
+            "from a run without it:",
+            "",
+            step_profile.table(report),
+            "",
+            *step_profile.batching_cost(report),
+        ]
+    )
+
+
 RENDERERS = {
     "report-smollm2-135m": lambda: report_table("smollm2-135m"),
     "summary-smollm2-135m": lambda: report_summary("smollm2-135m"),
@@ -317,6 +333,7 @@ RENDERERS = {
     "slower-than-fp32-smollm2-135m": lambda: slower_than_fp32("smollm2-135m"),
     "tuned-settings": tuned_settings,
     "continuations-gemma3-270m": lambda: continuations.table(_json(RESULTS / "continuations-gemma3-270m.json")),
+    "step-profile": step_profile_summary,
 }
 
 
