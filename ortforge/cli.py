@@ -17,7 +17,6 @@ expected failure is one line, `error: ...`, naming the bad value and the fix, wi
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib.metadata
 import os
 import sys
@@ -91,6 +90,13 @@ def non_negative(text: str) -> float:
     return value
 
 
+def megabytes(text: str) -> float:
+    value = float(text)
+    if not value >= 0.001:
+        raise argparse.ArgumentTypeError(f"{text} MB would refuse every request; give at least 0.001")
+    return value
+
+
 def _argument_text(value: str) -> str:
     """A command-line argument as the UTF-8 the user typed (a C locale decodes argv as ASCII)."""
     return os.fsencode(value).decode("utf-8", errors="replace")
@@ -159,9 +165,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         missing = f"ortforge serve needs the serve extra ({error.name} is missing)"
         raise CliError(f"{missing}: pip install 'ortforge[serve]'") from None
     folder = _validated_folder(args)
-    limits = server.Limits(shutdown_timeout=args.shutdown_timeout)
-    if args.max_body_mb is not None:
-        limits = dataclasses.replace(limits, max_body_bytes=int(args.max_body_mb * 1e6))
+    body = int(args.max_body_mb * 1e6) if args.max_body_mb is not None else None  # None: sized by the context
+    limits = server.Limits(max_body_bytes=body, shutdown_timeout=args.shutdown_timeout)
     api_key = args.api_key or os.environ.get(API_KEY_VARIABLE) or None
     server.serve(
         folder, args.host, args.port, args.slots, args.queue, args.prefix_cache_mb, api_key, args.insecure, limits
@@ -215,7 +220,7 @@ def _serve_command(commands) -> None:
     sub.add_argument("--insecure", action="store_true", help="allow a non-loopback --host without an API key")
     sub.add_argument(
         "--max-body-mb",
-        type=non_negative,
+        type=megabytes,
         metavar="MB",
         help="largest request body (default: room for the model's context, at least 1 MB; 413 past it)",
     )

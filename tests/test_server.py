@@ -513,7 +513,9 @@ def test_metrics_count_requests_tokens_and_latency(chat_folder, long_prompt, cap
 def test_serve_checks_its_port_queue_and_door_before_loading_the_model(chat_folder, capsys):
     from ortforge import server
 
-    for flags, says in ((["--port", "99999"], "not a TCP port"), (["--queue", "-1"], "waiting requests")):
+    bad = [(["--port", "99999"], "not a TCP port"), (["--queue", "-1"], "waiting requests")]
+    bad += [(["--max-body-mb", "0"], "would refuse every request"), (["--shutdown-timeout", "-1"], ">= 0")]
+    for flags, says in bad:
         with pytest.raises(SystemExit) as stopped:
             cli.parser().parse_args(["serve", str(chat_folder), *flags])
         assert stopped.value.code == 2 and says in capsys.readouterr().err
