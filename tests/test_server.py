@@ -279,7 +279,7 @@ def test_a_dead_or_stuck_scheduler_is_503_never_a_hang(chat_folder, monkeypatch)
         assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
 
 
-def test_no_progress_while_work_waits_is_503(chat_folder, monkeypatch):
+def test_no_progress_while_work_waits_is_503(chat_folder, long_prompt, monkeypatch):
     from ortforge.server import Limits
 
     step = BatchDecoder.step
@@ -291,7 +291,8 @@ def test_no_progress_while_work_waits_is_503(chat_folder, monkeypatch):
     monkeypatch.setattr(BatchDecoder, "step", stuck)
     with serving(chat_folder, limits=Limits(stall_seconds=0.5)) as (url, _):
         assert httpx.get(f"{url}/health").status_code == 200  # idle is not stuck
-        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "stream": True}
+        # greedy on a prompt the model continues: no end-of-sequence token ends the job early
+        body = {"model": MODEL, "prompt": long_prompt, "max_tokens": 2, "temperature": 0, "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as held:
             lines = held.iter_lines()
             next(lines)  # the first token, from the prefill; the one step after it takes 4 s
