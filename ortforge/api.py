@@ -22,9 +22,7 @@ QUOTED = 100  # characters of client input an error message may repeat
 MAX_DEPTH = 32  # JSON nesting: OpenAI's bodies need 5 (a tool schema more; we take none)
 MAX_MESSAGES = 1024
 MAX_STOP_STRINGS = 4  # OpenAI's limit
-# Sampling at a temperature below this overflows float64 (logits / temperature); 0 is greedy.
-MIN_TEMPERATURE = 0.01
-MAX_REPETITION_PENALTY = 100.0  # and at least 1 / MAX_REPETITION_PENALTY, for the same reason
+MAX_REPETITION_PENALTY = 100.0  # and at least 1 / MAX_REPETITION_PENALTY: an extension, not OpenAI's
 
 # Fields that change nothing in the reply: accepted as they are.
 NO_EFFECT = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
@@ -114,12 +112,6 @@ class Settings(BaseModel):
         set, so those two change nothing there and are dropped (OpenAI accepts the pair)."""
         if self.temperature == 0:
             return 0.0, 0, 1.0, self.repetition_penalty, self.seed
-        if self.temperature < MIN_TEMPERATURE:
-            raise RequestError(
-                f"temperature {self.temperature} is too small to sample with; use 0 for greedy or at least "
-                f"{MIN_TEMPERATURE}",
-                param="temperature",
-            )
         top_p = self.top_p or 1e-12  # 0 keeps only the most likely token, as any tiny mass does
         return self.temperature, self.top_k, top_p, self.repetition_penalty, self.seed
 

@@ -55,12 +55,25 @@ class Sampler:
         self.rng = np.random.default_rng(sampling.seed)
 
     def pick(self, logits: np.ndarray, seen: Iterable[int]) -> int:
+        """The next token. Works on float64 log-probabilities shifted so the largest is 0 before the
+        temperature divides them: any temperature above 0 and any penalty stay finite. A NaN logit
+        (a model fault) counts as impossible; if every logit is, ValueError names it."""
         s = self.sampling
-        logits = penalized(logits.astype(np.float64), seen, s.repetition_penalty)
+        logits = penalized(finite(logits), seen, s.repetition_penalty)
         if s.greedy:
             return int(np.argmax(logits))
-        probabilities = truncated(softmax(logits / s.temperature), s.top_k, s.top_p)
+        scaled = (logits - logits.max()) / s.temperature  # <= 0: exp never overflows
+        probabilities = truncated(np.exp(scaled) / np.exp(scaled).sum(), s.top_k, s.top_p)
         return int(self.rng.choice(probabilities.size, p=probabilities))
+
+
+def finite(logits: np.ndarray) -> np.ndarray:
+    """float64 logits with NaN as impossible (-inf) and +inf as the largest finite value."""
+    largest = np.finfo(np.float64).max
+    values = np.nan_to_num(logits.astype(np.float64), nan=-np.inf, posinf=largest, neginf=-np.inf)
+    if not np.isfinite(values).any():
+        raise ValueError("the model returned no finite logit (NaN or -inf everywhere); check its weights")
+    return values
 
 
 def penalized(logits: np.ndarray, seen: Iterable[int], penalty: float) -> np.ndarray:
@@ -72,13 +85,10 @@ def penalized(logits: np.ndarray, seen: Iterable[int], penalty: float) -> np.nda
     if ids.size:
         logits = logits.copy()
         values = logits[ids]
-        logits[ids] = np.where(values > 0, values / penalty, values * penalty)
+        with np.errstate(over="ignore"):  # a huge logit over a tiny penalty: the largest float, not inf
+            changed = np.where(values > 0, values / penalty, values * penalty)
+        logits[ids] = np.clip(changed, -np.finfo(np.float64).max, np.finfo(np.float64).max)
     return logits
-
-
-def softmax(logits: np.ndarray) -> np.ndarray:
-    exp = np.exp(logits - logits.max())
-    return exp / exp.sum()
 
 
 def truncated(probabilities: np.ndarray, top_k: int, top_p: float) -> np.ndarray:

@@ -171,3 +171,26 @@ def test_generate_command_samples_reproducibly_and_refuses_bad_options(built, pa
         assert cli.main([*args, *bad]) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("temperature", [1e-308, 1e-5, 0.7, 2.0])
+@pytest.mark.parametrize("penalty", [1e-320, 1e-3, 1.0, 100.0])
+def test_no_temperature_or_penalty_makes_sampling_fail(temperature, penalty):
+    """Values OpenAI accepts (and extreme penalties) never overflow into NaN probabilities; at a
+    vanishing temperature sampling is the argmax."""
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0, 30, 1000).astype(np.float32)
+    logits[[3, 7]] = [np.nan, -np.inf]
+    sampler = Sampler(Sampling(temperature=temperature, repetition_penalty=penalty, seed=1))
+    seen = [10, 11, 12]
+    for _ in range(5):
+        token = sampler.pick(logits, seen)
+        assert 0 <= token < 1000 and token not in (3, 7)
+    if temperature == 1e-308:
+        expected = int(np.argmax(np.nan_to_num(penalized(logits.astype(np.float64), seen, penalty), nan=-np.inf)))
+        assert sampler.pick(logits, seen) == expected
+
+
+def test_logits_with_nothing_finite_are_a_clear_error():
+    with pytest.raises(ValueError, match="no finite logit"):
+        Sampler(Sampling(temperature=1.0)).pick(np.full(10, np.nan, np.float32), [])
