@@ -5,11 +5,18 @@ end, are cancelled (a client that went away) or hit their limit; their row is fr
 One thread owns the model (a `Scheduler`); callers submit a `Job` from any thread and get tokens
 through its callbacks, called on that thread. Each job samples with its own seeded generator, so
 its tokens are those of a batch-1 run of it.
+
+Nothing a job does can stop the loop: an exception while picking its token or calling its
+callbacks ends that job alone (its on_end gets "error: ..."), one from a batched run ends the jobs
+in it, and anything else ends every running job while the loop goes on. `last_progress` is when
+the loop last produced a token (or work arrived at an idle loop), for a liveness probe.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,6 +25,7 @@ from ortforge.batch import BatchDecoder, PrefixCache
 from ortforge.sampling import Sampler, Sampling
 
 STOPPED, LENGTH, CANCELLED = "stop", "length", "cancelled"
+log = logging.getLogger(__name__)
 
 
 class QueueFull(Exception):
@@ -64,6 +72,7 @@ class Scheduler:
         self._wake = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="ortforge-scheduler", daemon=True)
+        self.last_progress = time.monotonic()  # a token was produced (or work arrived at an idle loop)
 
     def start(self) -> Scheduler:
         self._thread.start()
@@ -80,11 +89,21 @@ class Scheduler:
     def queued(self) -> int:
         return len(self._pending)
 
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.active or self._pending)
+
     def submit(self, job: Job) -> None:
         """Queue a job (its prompt already checked against the context); QueueFull when the queue is."""
         with self._wake:
             if len(self.active) + len(self._pending) >= self.slots + self.queue_size:
                 raise QueueFull(f"all {self.slots} slots are busy and {self.queue_size} requests wait already")
+            if not self.busy:  # the stall clock starts when work arrives, not at the last reply
+                self.last_progress = time.monotonic()
             self._pending.append(job)
             self._wake.notify()
 
@@ -98,25 +117,36 @@ class Scheduler:
                 joining = []
                 while self._pending and len(self.active) + len(joining) < self.slots:
                     joining.append(self._pending.popleft())
-            if self.batch is None:
+            try:
+                self._work(joining)
+            except Exception as error:  # noqa: BLE001 - a fault of ours: every running job ends, the loop goes on
+                log.exception("the scheduler's step failed; ending the running jobs")
+                for row, job in list(self.active.items()):
+                    self._end(row, job, f"error: {error}")
                 for job in joining:
-                    self._run_alone(job)
-                continue
-            self.joined_running += len(joining) if self.active else max(0, len(joining) - 1)
+                    if job not in self.active.values():
+                        _ended(job, f"error: {error}")
+
+    def _work(self, joining: list[Job]) -> None:
+        if self.batch is None:
             for job in joining:
-                self._join(job)
-            if self.active:
-                self._step()
+                self._run_alone(job)
+            return
+        self.joined_running += len(joining) if self.active else max(0, len(joining) - 1)
+        for job in joining:
+            self._join(job)
+        if self.active:
+            self._step()
 
     def _join(self, job: Job) -> None:
         if job.cancelled.is_set():
-            return job.on_end(CANCELLED)
+            return _ended(job, CANCELLED)
         row = self.batch.free_rows()[0]
         try:
             logits = self.batch.prefill(row, job.prompt_ids)
         except Exception as error:  # noqa: BLE001 - the job ends with the reason; the server goes on
             self.batch.release(row)
-            return job.on_end(f"error: {error}")
+            return _ended(job, f"error: {error}")
         self.active[row] = job
         self._advance(row, job, logits)
 
@@ -127,22 +157,28 @@ class Scheduler:
             stepped = self.batch.step(tokens)
         except Exception as error:  # noqa: BLE001 - every running job ends with the reason; the loop goes on
             for row, job in list(self.active.items()):
-                del self.active[row]
-                self.batch.release(row)
-                job.on_end(f"error: {error}")
+                self._end(row, job, f"error: {error}")
             return
         for row, logits in stepped.items():
             self._advance(row, self.active[row], logits)
 
     def _advance(self, row: int, job: Job, logits) -> None:
-        """Pick the job's next token, hand it over, and free the row when the job has ended."""
-        end = self._next(job, logits)
+        """Pick the job's next token, hand it over, and free the row when the job has ended. Its
+        sampling or its callback failing ends this job alone."""
+        try:
+            end = self._next(job, logits)
+        except Exception as error:  # noqa: BLE001 - this job's fault: it ends, the others go on
+            end = f"error: {error}"
         if end:
-            del self.active[row]
-            self.batch.release(row)
-            job.on_end(end)
+            self._end(row, job, end)
+
+    def _end(self, row: int, job: Job, reason: str) -> None:
+        del self.active[row]
+        self.batch.release(row)
+        _ended(job, reason)
 
     def _next(self, job: Job, logits) -> str | None:
+        self.last_progress = time.monotonic()
         if job.cancelled.is_set():
             return CANCELLED
         token = job.sampler.pick(logits, job.seen)
@@ -163,4 +199,12 @@ class Scheduler:
                 logits, cache = decoder.forward([job.last], cache, last_only=True)
         except Exception as error:  # noqa: BLE001 - the job ends with the reason; the server goes on
             end = f"error: {error}"
-        job.on_end(end)
+        _ended(job, end)
+
+
+def _ended(job: Job, reason: str) -> None:
+    """Tell the job it ended; a callback that fails cannot take the loop down with it."""
+    try:
+        job.on_end(reason)
+    except Exception:  # noqa: BLE001 - nothing left to tell this job
+        log.exception("a job's on_end callback failed")

@@ -121,7 +121,6 @@ class Service:
         if limits.max_body_bytes is None:
             limits = dataclasses.replace(limits, max_body_bytes=body_limit(generator.decoder.context_length))
         self.limits = limits
-        self.last_progress = time.monotonic()  # a token or an end, from the scheduler's thread
         self.deadline: float | None = None  # set at shutdown: running requests end by then
         self.metrics = ServerMetrics(self.scheduler)
 
@@ -138,17 +137,12 @@ class Service:
                 param="model",
             )
 
-    def scheduler_running(self) -> bool:
-        return self.scheduler._thread.is_alive()  # noqa: SLF001 - the thread's life is the scheduler's
-
-    def busy(self) -> bool:
-        return bool(self.scheduler.active or self.scheduler.queued)
-
     def liveness(self) -> tuple[bool, dict]:
         """Whether the scheduler is making progress: alive, and with a token or an end within
         stall_seconds whenever work waits."""
-        age = time.monotonic() - self.last_progress if self.busy() else 0.0
-        if not self.scheduler_running():
+        scheduler = self.scheduler
+        age = time.monotonic() - scheduler.last_progress if scheduler.busy else 0.0
+        if not scheduler.alive:
             return False, {"problem": "the scheduler thread has stopped; restart the server"}
         if age > self.limits.stall_seconds:
             return False, {"problem": f"no progress for {age:.0f} s while requests wait", "stalled_seconds": age}
@@ -161,7 +155,7 @@ class Service:
         """Queue the request; ApiError for a bad setting, a prompt past the context or a full queue."""
         if self.deadline is not None:
             raise ApiError(503, "the server is shutting down; retry on another instance", kind="server_unavailable")
-        if not self.scheduler_running():
+        if not self.scheduler.alive:
             raise ApiError(503, "the scheduler has stopped; restart the server", kind="server_error")
         asked = [getattr(body, "max_completion_tokens", None), body.max_tokens]  # chat's newer name first
         max_tokens = next((n for n in asked if n is not None), default_tokens)
@@ -178,16 +172,12 @@ class Service:
         reply, loop = Reply(len(prompt_ids)), asyncio.get_running_loop()
 
         def on_token(token: int) -> None:
-            self.last_progress = time.monotonic()
             loop.call_soon_threadsafe(reply.queue.put_nowait, token)
 
         def on_end(reason: str) -> None:
-            self.last_progress = time.monotonic()
             loop.call_soon_threadsafe(reply.queue.put_nowait, reason)
 
         job = Job(prompt_ids, max_tokens, on_token, on_end, sampling)
-        if not self.busy():  # the stall clock starts when work arrives, not at the last reply
-            self.last_progress = time.monotonic()
         try:
             self.scheduler.submit(job)
         except QueueFull as error:
@@ -205,7 +195,7 @@ class Service:
             try:
                 return await asyncio.wait_for(reply.queue.get(), timeout=POLL_SECONDS)
             except TimeoutError:
-                if not self.scheduler_running():
+                if not self.scheduler.alive:
                     raise ApiError(503, "the scheduler stopped; restart the server", kind="server_error") from None
 
     async def pieces(self, reply: Reply, job: Job, stops: tuple[str, ...]):

@@ -153,3 +153,30 @@ def test_a_failing_step_ends_the_running_jobs_with_the_reason_and_the_loop_goes_
     finally:
         scheduler.stop()
     assert after["tokens"] == generator.generate_ids(generator.encode(PROMPTS[0]), 4)
+
+
+def test_a_job_whose_own_sampling_or_callback_fails_ends_alone(generator):
+    """One job's fault (its sampler, its on_token) ends that job with the reason; the job beside it
+    in the same steps gets its batch-1 tokens, and the loop stays alive."""
+    scheduler = Scheduler(generator, slots=2)
+    prompts = [generator.encode(p) for p in PROMPTS[:2]]
+    failing = {"tokens": [], "end": None, "done": threading.Event()}
+
+    def on_token(token):
+        if len(failing["tokens"]) == 2:
+            raise RuntimeError("the client's callback failed")
+        failing["tokens"].append(token)
+
+    def on_end(end):
+        failing["end"] = end
+        failing["done"].set()
+
+    scheduler.submit(Job(prompts[0], 8, on_token, on_end, Sampling()))
+    try:
+        (healthy,) = run_jobs(scheduler, [(prompts[1], 8, Sampling())])
+        assert failing["done"].wait(60) and scheduler.alive
+    finally:
+        scheduler.stop()
+    assert failing["end"] == "error: the client's callback failed" and len(failing["tokens"]) == 2
+    assert healthy["tokens"] == generator.generate_ids(prompts[1], 8)
+    assert scheduler.batch.free_rows() == [0, 1]
