@@ -44,6 +44,27 @@ def render_chat(folder: Path, messages: list[dict]) -> str:
         raise ValueError(f"{folder}'s chat template failed on these messages: {error}") from None
 
 
+def chat_pieces(folder: Path, messages: list[dict]) -> list[tuple[str, bool]]:
+    """The rendered prompt as (text, is_user_content) pieces, in order: the template's own text
+    (its control tokens) apart from what the messages said, so a tokenizer can read the messages'
+    text as text. ValueError when the template changes the content it inserts (trims it, say): the
+    pieces could then not be told apart."""
+    import re
+    import uuid
+
+    mark = f"\ue000{uuid.uuid4().hex}"  # a private-use character and a nonce: in no message
+    marked = [{**message, "content": f"{mark}{index}{mark}"} for index, message in enumerate(messages)]
+    pieces: list[tuple[str, bool]] = []
+    for index, text in enumerate(re.split(f"{mark}(\\d+){mark}", render_chat(folder, marked))):
+        if index % 2 == 0:
+            pieces.append((text, False))
+        else:
+            pieces.append((messages[int(text)]["content"], True))
+    if "".join(text for text, _ in pieces) != render_chat(folder, messages):
+        raise ValueError("this model's chat template changes the message text it inserts; send plain text")
+    return pieces
+
+
 def special_tokens(folder: Path) -> dict[str, str]:
     """bos_token, eos_token, ... as the template sees them (text, not ids)."""
     found = {**_json(Path(folder) / TOKENIZER_CONFIG_FILE), **_json(Path(folder) / SPECIAL_TOKENS_FILE)}

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
-from ortforge.chat import render_chat, stop_strings, until_stop
+from ortforge.chat import chat_pieces, render_chat, stop_strings, until_stop
 from ortforge.decoder import NOT_PICKLABLE, Decoder
 from ortforge.greedy import greedy_tokens
 from ortforge.names import GENERATION_CONFIG_FILE
@@ -76,6 +76,9 @@ class TextGenerator:
         if not (model_dir / "tokenizer.json").is_file():
             raise ValueError(f"{model_dir} has no tokenizer.json; an artifact folder carries its model's tokenizer")
         self.tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        self._plain: Tokenizer | None = None
+        added = self.tokenizer.get_added_tokens_decoder().values()
+        self._specials = [token.content for token in added if token.special]
         self.stop_ids = _eos_ids(model_dir / GENERATION_CONFIG_FILE)
         self._per_thread = threading.local()
 
@@ -100,8 +103,27 @@ class TextGenerator:
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """messages [{role, content}] through the model's chat template, up to the reply's start.
-        The template writes the special tokens itself (transformers' apply_chat_template)."""
-        return self.encode(render_chat(self.model_dir, messages), add_special_tokens=False)
+        The template writes the special tokens itself (transformers' apply_chat_template). A
+        message that contains a special token's text (`<|im_end|>`...) is read as that text, never
+        as the control token: a user cannot close their turn and open a system one."""
+        if not any(self._special_text(message.get("content")) for message in messages):
+            return self.encode(render_chat(self.model_dir, messages), add_special_tokens=False)
+        ids: list[int] = []
+        for text, is_content in chat_pieces(self.model_dir, messages):
+            tokenizer = self._plain_text_tokenizer() if is_content else self.tokenizer
+            ids += tokenizer.encode(text, add_special_tokens=False).ids
+        return ids
+
+    def _special_text(self, content) -> bool:
+        return isinstance(content, str) and any(special in content for special in self._specials)
+
+    def _plain_text_tokenizer(self) -> Tokenizer:
+        """A copy of the tokenizer that reads special tokens' text as text (its own copy: a flag on
+        the shared one would race with other threads' encodes)."""
+        if self._plain is None:
+            self._plain = Tokenizer.from_str(self.tokenizer.to_str())
+            self._plain.encode_special_tokens = True
+        return self._plain
 
     def checked_prompt(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
         """The prompt, once it is known to be non-empty and to leave room for max_new_tokens."""
