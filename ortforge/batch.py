@@ -6,7 +6,16 @@ memory (rows are contiguous, so no copy). Each step then runs one token of every
 together; GroupQueryAttention takes each row's own length from its attention-mask row (seqlens_k),
 so rows of different lengths attend and write at their own positions. A free row below the
 highest occupied one runs a dummy token at position 0 (cheaper than moving a row's cache); its
-next sequence's prefill overwrites it. Buffers grow (doubling, one copy) when a row outgrows them.
+next sequence's prefill overwrites it.
+
+Memory: every row has room for `row_tokens` tokens from the start, in anonymous memory maps (4 KB
+pages, no transparent huge pages), so a page costs RAM only once a token is written to it, nothing
+is ever copied to grow, and release() hands a finished row's pages back to the system
+(MADV_DONTNEED): the cache's resident size follows the tokens held, not the longest prompt seen.
+
+A prompt may also be prefilled a piece at a time (begin, prefill_piece, finish), so a scheduler can
+run other rows' steps between its pieces; a row in the middle of its prompt sits out those steps
+(it runs a throwaway token at its next position, which its next piece overwrites).
 
 With a prefix cache, a prompt that shares its start with a recent one (a system prompt, a few-shot
 block) copies that start's keys and values into its row instead of computing them again, and
@@ -18,13 +27,17 @@ back to one sequence per run otherwise.
 
 from __future__ import annotations
 
+import mmap
 from collections import OrderedDict
 
 import numpy as np
 import onnxruntime as ort
 
 from ortforge import names
-from ortforge.decoder import INITIAL_CAPACITY, Decoder
+from ortforge.decoder import Decoder
+
+DEFAULT_ROW_TOKENS = 4096  # a graph that records no context length
+SHRINK_ARENA = "memory.enable_memory_arena_shrinkage"  # onnxruntime's run option
 
 
 class PrefixCache:
@@ -65,46 +78,84 @@ class PrefixCache:
 
 class BatchDecoder:
     def __init__(
-        self, session: ort.InferenceSession, slots: int, prefill_chunk: int = 0, prefixes: PrefixCache | None = None
+        self,
+        session: ort.InferenceSession,
+        slots: int,
+        prefill_chunk: int = 0,
+        prefixes: PrefixCache | None = None,
+        row_tokens: int | None = None,
     ):
+        """row_tokens: the most tokens one row holds (prompt and reply); the model's context by default."""
         if slots < 1:
             raise ValueError(f"slots {slots} must be at least 1")
         self.single = Decoder(session, prefill_chunk=prefill_chunk)  # the graph's facts, check_fits
         if not self.single.shared:
             raise ValueError("this graph concatenates its KV cache (no shared buffers); it runs one sequence at a time")
         self.session, self.slots, self.prefill_chunk, self.prefixes = session, slots, prefill_chunk, prefixes
-        self.lengths = [0] * slots  # tokens each row holds; 0: free
+        self.row_tokens = row_tokens or self.single.context_length or DEFAULT_ROW_TOKENS
+        if self.row_tokens < 1:
+            raise ValueError(f"row_tokens {self.row_tokens} must be at least 1")
+        self.lengths = [0] * slots  # tokens each row holds
+        self.taken = [False] * slots  # a sequence holds the row (from begin to release)
         self._past = names.past_names(self.single.num_layers)
         self._present = names.present_names(self.single.num_layers)
-        self._capacity = 0
-        self._arrays: list[np.ndarray] = []
-        self._reserve(INITIAL_CAPACITY)
+        shape = (slots, self.single.kv_heads, self.row_tokens, self.single.cache_dim)
+        self._maps = [_anonymous_map(shape, self.single.kv_dtype) for _ in self._past]
+        self._arrays = [array for array, _ in self._maps]
+        self._shrink = None  # a session without onnxruntime's CPU arena has nothing to give back
+        if session.get_session_options().enable_cpu_mem_arena:
+            self._shrink = ort.RunOptions()
+            self._shrink.add_run_config_entry(SHRINK_ARENA, "cpu:0")
 
     @staticmethod
     def supports(session: ort.InferenceSession) -> bool:
         return session.get_modelmeta().custom_metadata_map.get(names.KV_LAYOUT_KEY) == names.KV_SHARED
 
     def free_rows(self) -> list[int]:
-        return [row for row, length in enumerate(self.lengths) if length == 0]
+        return [row for row, taken in enumerate(self.taken) if not taken]
 
     def prefill(self, row: int, token_ids: list[int]) -> np.ndarray:
-        """Fill a free row with a prompt; the last position's logits (vocab,)."""
-        if self.lengths[row]:
+        """Fill a free row with a whole prompt; the last position's logits (vocab,)."""
+        self.begin(row, token_ids)
+        start = self.reuse_prefix(row, token_ids)
+        chunk = self.prefill_chunk or len(token_ids)
+        for piece in range(start, len(token_ids), chunk):
+            logits = self.prefill_piece(row, token_ids[piece : piece + chunk], last=piece + chunk >= len(token_ids))
+        self.finish(row, token_ids)
+        return logits
+
+    def begin(self, row: int, token_ids: list[int]) -> None:
+        """Take a free row for a prompt. The caller then calls reuse_prefix (when the prompt's turn
+        comes: an earlier prompt may have just computed its start), prefill_piece for the rest,
+        and finish."""
+        if self.taken[row]:
             raise ValueError(f"row {row} holds a sequence; release it first")
         if not token_ids:
             raise ValueError("the prompt is empty (no tokens); give some text to continue")
         self.single.check_fits(len(token_ids))
-        self._reserve(len(token_ids))
-        reused = self._reuse_prefix(row, token_ids)
-        rest = token_ids[reused:]
-        chunk = self.prefill_chunk or len(rest)
-        for start in range(0, len(rest), chunk):
-            logits = self._run_row(row, rest[start : start + chunk])
+        self._check_room(len(token_ids))
+        self.taken[row] = True
+
+    def prefill_piece(self, row: int, token_ids: list[int], last: bool = False) -> np.ndarray:
+        """The next piece of the row's prompt; its last position's logits. last: the prompt's final
+        piece, after which onnxruntime's arena gives back what this prompt's activations took."""
+        if not self.taken[row]:
+            raise ValueError(f"row {row} is free; begin a prompt in it first")
+        self._check_room(self.lengths[row] + len(token_ids))
+        start, total = self.lengths[row], self.lengths[row] + len(token_ids)
+        ids = np.array([token_ids], dtype=np.int64)
+        mask = np.ones((1, total), dtype=np.int64)
+        positions = np.arange(start, total, dtype=np.int64)[None, :]
+        logits = self._run(ids, mask, positions, slice(row, row + 1), self._shrink if last else None)
+        self.lengths[row] = total
+        return logits[0, -1]
+
+    def finish(self, row: int, token_ids: list[int]) -> None:
+        """The row's prompt is in: remember its keys and values for later prompts that share its start."""
         if self.prefixes is not None:
             self.prefixes.add(token_ids, [array[row, :, : len(token_ids)].copy() for array in self._arrays])
-        return logits
 
-    def _reuse_prefix(self, row: int, token_ids: list[int]) -> int:
+    def reuse_prefix(self, row: int, token_ids: list[int]) -> int:
         """Copy the longest cached start of the prompt into the row; how many tokens that was. The
         last token always runs: its logits are the prefill's answer."""
         if self.prefixes is None:
@@ -116,37 +167,41 @@ class BatchDecoder:
         return reused
 
     def step(self, tokens: dict[int, int]) -> dict[int, np.ndarray]:
-        """One token for every occupied row, in one run; each row's next logits (vocab,)."""
-        occupied = {row for row, length in enumerate(self.lengths) if length}
-        if set(tokens) != occupied:
-            raise ValueError(f"a step takes one token for each occupied row {sorted(occupied)}, not {sorted(tokens)}")
+        """One token for each row in `tokens`, in one run; each row's next logits (vocab,). Other
+        occupied rows (prompts in the middle of their prefill) sit the step out."""
+        occupied = {row for row, length in enumerate(self.lengths) if length and self.taken[row]}
+        if not tokens or not set(tokens) <= occupied:
+            raise ValueError(f"a step takes tokens for occupied rows {sorted(occupied)}, not {sorted(tokens)}")
         for row in tokens:
             self.single.check_fits(self.lengths[row] + 1)
+            self._check_room(self.lengths[row] + 1)
         rows = max(tokens) + 1
-        totals = np.array([self.lengths[r] + 1 if r in tokens else 1 for r in range(rows)], dtype=np.int64)
-        self._reserve(int(totals.max()))
+        # A free row runs a dummy at position 0; a row sitting out runs one at its next position
+        # (both are overwritten before they are read); either way its length stays.
+        totals = np.array([self.lengths[r] + 1 for r in range(rows)], dtype=np.int64)
         ids = np.array([[tokens.get(r, 0)] for r in range(rows)], dtype=np.int64)
         mask = (np.arange(int(totals.max()))[None, :] < totals[:, None]).astype(np.int64)
-        logits = self._run(ids, mask, totals[:, None] - 1, rows)
+        logits = self._run(ids, mask, totals[:, None] - 1, slice(0, rows))
         for row in tokens:
             self.lengths[row] += 1
         return {row: logits[row, -1] for row in tokens}
 
     def release(self, row: int) -> None:
-        self.lengths[row] = 0
+        """Free the row and hand its memory back: the pages it wrote leave the process's RSS."""
+        self.lengths[row], self.taken[row] = 0, False
+        for array, region in self._maps:
+            row_bytes = array.nbytes // self.slots
+            start = -(-row * row_bytes // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages inside the row
+            end = (row + 1) * row_bytes // mmap.PAGESIZE * mmap.PAGESIZE
+            if end > start:
+                region.madvise(mmap.MADV_DONTNEED, start, end - start)
 
-    def _run_row(self, row: int, token_ids: list[int]) -> np.ndarray:
-        start, total = self.lengths[row], self.lengths[row] + len(token_ids)
-        ids = np.array([token_ids], dtype=np.int64)
-        mask = np.ones((1, total), dtype=np.int64)
-        positions = np.arange(start, total, dtype=np.int64)[None, :]
-        logits = self._run(ids, mask, positions, rows=slice(row, row + 1))
-        self.lengths[row] = total
-        return logits[0, -1]
+    def _check_room(self, total: int) -> None:
+        if total > self.row_tokens:
+            raise ValueError(f"{total} tokens do not fit a row of {self.row_tokens}; the scheduler admits what fits")
 
-    def _run(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, rows) -> np.ndarray:
-        """One run over buffer rows `rows` (a count from row 0, or a slice)."""
-        rows = rows if isinstance(rows, slice) else slice(0, rows)
+    def _run(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, rows: slice, options=None) -> np.ndarray:
+        """One run over buffer rows `rows`."""
         binding = self.session.io_binding()
         binding.bind_cpu_input(names.INPUT_IDS, ids)
         if self.single.uses_attention_mask:
@@ -160,17 +215,16 @@ class BatchDecoder:
             value = ort.OrtValue.ortvalue_from_numpy(array[rows])  # a view: rows are contiguous
             binding.bind_ortvalue_input(past, value)
             binding.bind_ortvalue_output(present, value)
-        self.session.run_with_iobinding(binding)
+        self.session.run_with_iobinding(binding, options)
         return binding.get_outputs()[0].numpy()
 
-    def _reserve(self, total: int) -> None:
-        if total <= self._capacity:
-            return
-        capacity = max(INITIAL_CAPACITY, self._capacity)
-        while capacity < total:
-            capacity *= 2
-        shape = (self.slots, self.single.kv_heads, capacity, self.single.cache_dim)
-        grown = [np.zeros(shape, self.single.kv_dtype) for _ in self._past]
-        for new, old in zip(grown, self._arrays, strict=False):
-            new[:, :, : self._capacity] = old
-        self._arrays, self._capacity = grown, capacity
+
+def _anonymous_map(shape: tuple[int, ...], dtype) -> tuple[np.ndarray, mmap.mmap]:
+    """A zeroed array in its own anonymous memory map, and the map (to hand pages back). Pages
+    are 4 KB (numpy's own allocator asks for 2 MB huge pages, which a short row would fill)."""
+    count = int(np.prod(shape))
+    size = max(count * np.dtype(dtype).itemsize, 1)
+    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        region.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(region, dtype, count=count).reshape(shape), region

@@ -97,6 +97,13 @@ def megabytes(text: str) -> float:
     return value
 
 
+def kv_megabytes(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} MB holds no KV cache; give a budget above 0")
+    return value
+
+
 def _argument_text(value: str) -> str:
     """A command-line argument as the UTF-8 the user typed (a C locale decodes argv as ASCII)."""
     return os.fsencode(value).decode("utf-8", errors="replace")
@@ -169,7 +176,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     limits = server.Limits(max_body_bytes=body, shutdown_timeout=args.shutdown_timeout)
     api_key = args.api_key or os.environ.get(API_KEY_VARIABLE) or None
     server.serve(
-        folder, args.host, args.port, args.slots, args.queue, args.prefix_cache_mb, api_key, args.insecure, limits
+        folder,
+        args.host,
+        args.port,
+        args.slots,
+        args.queue,
+        args.prefix_cache_mb,
+        api_key,
+        args.insecure,
+        limits,
+        args.kv_cache_mb,
     )
     return 0
 
@@ -237,6 +253,13 @@ def _serve_command(commands) -> None:
         default=128,
         metavar="MB",
         help="memory for reusing shared prompt starts, least recently used evicted (default 128; 0: off)",
+    )
+    sub.add_argument(
+        "--kv-cache-mb",
+        type=kv_megabytes,
+        metavar="MB",
+        help="the KV cache's memory budget: a request reserves its prompt + max_tokens and waits while the "
+        "budget is full (default: every slot's whole context, within a quarter of this machine's memory)",
     )
 
 

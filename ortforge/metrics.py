@@ -42,20 +42,18 @@ class ServerMetrics:
             "ortforge_queue_depth": ("requests waiting for a slot", lambda: scheduler.queued),
             "ortforge_active_slots": ("slots decoding a request", lambda: len(scheduler.active)),
             "ortforge_slots": ("slots the server decodes together", lambda: scheduler.slots),
-            "ortforge_kv_cache_used_bytes": ("KV cache bytes holding tokens", lambda: kv_bytes(scheduler)[0]),
-            "ortforge_kv_cache_allocated_bytes": ("KV cache bytes allocated", lambda: kv_bytes(scheduler)[1]),
+            "ortforge_kv_cache_used_bytes": ("KV cache bytes holding tokens", lambda: scheduler.kv_used_bytes),
+            "ortforge_kv_cache_reserved_bytes": (
+                "KV cache bytes the running requests reserved (prompt + max_tokens)",
+                lambda: scheduler.kv.reserved * scheduler.kv.bytes_per_token,
+            ),
+            "ortforge_kv_cache_budget_bytes": (
+                "the KV cache's budget (--kv-cache-mb)",
+                lambda: scheduler.kv.tokens * scheduler.kv.bytes_per_token,
+            ),
         }
         for name, (text, read) in gauges.items():
             Gauge(name, text, registry=self.registry).set_function(read)
-
-
-def kv_bytes(scheduler) -> tuple[int, int]:
-    """(bytes of the KV buffers that hold tokens, bytes allocated) over every slot."""
-    batch = scheduler.batch
-    if batch is None:
-        return 0, 0
-    per_token = batch.single.kv_bytes_per_token
-    return sum(batch.lengths) * per_token, batch._capacity * batch.slots * per_token  # noqa: SLF001
 
 
 class Observed:

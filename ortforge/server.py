@@ -45,7 +45,7 @@ from ortforge.chat import StopStrings, stop_strings
 from ortforge.generate import IncrementalDetokenizer, TextGenerator
 from ortforge.metrics import Observed, ServerMetrics
 from ortforge.sampling import Sampling
-from ortforge.scheduler import LENGTH, Job, QueueFull, Scheduler
+from ortforge.scheduler import LENGTH, Job, QueueFull, Scheduler, TooLarge
 
 COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's default for /v1/completions
 MESSAGE_CHARACTERS = 400  # an error message longer than this quoted client input: cut it
@@ -114,9 +114,11 @@ class Service:
         queue_size: int,
         prefix_mb: float = 0,
         limits: Limits | None = None,
+        kv_cache_mb: float | None = None,
     ):
+        """kv_cache_mb: the KV cache's budget (None: the scheduler's default for this model)."""
         self.generator, self.model_id = generator, model_id
-        self.scheduler = Scheduler(generator, slots, queue_size, prefix_mb)
+        self.scheduler = Scheduler(generator, slots, queue_size, prefix_mb, kv_cache_mb)
         limits = limits or Limits()
         if limits.max_body_bytes is None:
             limits = dataclasses.replace(limits, max_body_bytes=body_limit(generator.decoder.context_length))
@@ -180,6 +182,8 @@ class Service:
         job = Job(prompt_ids, max_tokens, on_token, on_end, sampling)
         try:
             self.scheduler.submit(job)
+        except TooLarge as error:
+            raise ApiError(400, str(error), code="context_length_exceeded", param="max_tokens") from None
         except QueueFull as error:
             raise ApiError(429, f"{error}; retry shortly", kind="server_busy", code="queue_full") from None
         return reply, job
@@ -350,6 +354,11 @@ def create_app(service: Service, api_key: str | None = None, loopback: bool = Tr
             "slots": scheduler.slots,
             "active": len(scheduler.active),
             "queued": scheduler.queued,
+            "kv_cache_mb": {
+                "budget": round(scheduler.kv.megabytes, 1),
+                "reserved": round(scheduler.kv.reserved * scheduler.kv.bytes_per_token / 1e6, 1),
+                "used": round(scheduler.kv_used_bytes / 1e6, 1),
+            },
             "batching": scheduler.note,
             **figures,
         }
@@ -385,8 +394,8 @@ def create_app(service: Service, api_key: str | None = None, loopback: bool = Tr
             raise ApiError.refused(error) from None
         except ValueError as error:
             raise ApiError(400, f"messages: {error}", param="messages") from None
-        context = service.generator.decoder.context_length or len(prompt_ids) + 1024
-        return await respond(request, body, prompt_ids, max(1, context - len(prompt_ids)), chat=True)
+        room = service.scheduler.kv.row_tokens  # the context, within the KV budget
+        return await respond(request, body, prompt_ids, max(1, room - len(prompt_ids)), chat=True)
 
     async def respond(request: Request, body: Settings, prompt_ids: list[int], default_tokens: int, chat: bool):
         try:
@@ -485,6 +494,7 @@ def serve(
     api_key: str | None = None,
     insecure: bool = False,
     limits: Limits | None = None,
+    kv_cache_mb: float | None = None,
 ) -> None:
     loopback = is_loopback(host)
     if not loopback and api_key is None and not insecure:
@@ -493,7 +503,8 @@ def serve(
             "ORTFORGE_API_KEY), or --insecure to serve without one"
         )
     sock = listening_socket(host, port)
-    service = Service(TextGenerator(folder), model_id(folder), slots, queue_size, prefix_mb, limits).start()
+    generator = TextGenerator(folder)
+    service = Service(generator, model_id(folder), slots, queue_size, prefix_mb, limits, kv_cache_mb).start()
     bound = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
     print(f"serving {service.model_id} on http://{shown}:{bound}/v1 ({service.scheduler.note})", flush=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ import pytest
 from ortforge.batch import BatchDecoder, PrefixCache
 from ortforge.generate import TextGenerator
 from ortforge.sampling import Sampling
-from ortforge.scheduler import CANCELLED, LENGTH, Job, QueueFull, Scheduler
+from ortforge.scheduler import CANCELLED, LENGTH, Job, QueueFull, Scheduler, TooLarge
 
 PROMPTS = [
     "The GNU General Public License is",
@@ -80,7 +81,9 @@ def test_a_cancelled_job_frees_its_row_at_the_next_step(generator):
     scheduler = Scheduler(generator, slots=1, queue_size=1).start()
     try:
         started, ended = threading.Event(), []
-        job = Job(generator.encode(PROMPTS[0]), 10_000, lambda _: started.set(), ended.append)
+        prompt = generator.encode(PROMPTS[0])
+        room = generator.decoder.context_length - len(prompt)  # long enough to cancel mid-way
+        job = Job(prompt, room, lambda _: started.set(), ended.append)
         scheduler.submit(job)
         assert started.wait(30)
         with pytest.raises(QueueFull):  # the slot is busy and one more may wait: a third is refused
@@ -180,3 +183,107 @@ def test_a_job_whose_own_sampling_or_callback_fails_ends_alone(generator):
     assert failing["end"] == "error: the client's callback failed" and len(failing["tokens"]) == 2
     assert healthy["tokens"] == generator.generate_ids(prompts[1], 8)
     assert scheduler.batch.free_rows() == [0, 1]
+
+
+@pytest.fixture(scope="module")
+def fp32_generator(built):
+    return TextGenerator(built["fp32"])
+
+
+def long_prompt(generator: TextGenerator, tokens: int) -> list[int]:
+    ids = generator.encode(" ".join(PROMPTS * 60))[:tokens]
+    assert len(ids) == tokens
+    return ids
+
+
+def test_a_long_prompt_is_prefilled_between_the_running_streams_steps_and_a_short_one_overtakes_it(
+    fp32_generator,
+):
+    """While a long prompt is prefilled a piece at a time, the running stream keeps getting tokens,
+    a short request sent after the long one gets its first token first, and every job's tokens are
+    its batch-1 tokens."""
+    generator = fp32_generator
+    scheduler = Scheduler(generator, slots=3, queue_size=4, prefill_share=0.5).start()
+    events: list[tuple[str, str]] = []  # (job, "token" or its end), in the order the loop made them
+    done = {name: threading.Event() for name in ("stream", "long", "short")}
+    asks = {
+        "stream": (generator.encode(PROMPTS[2]), 200),
+        "long": (long_prompt(generator, 700), 4),
+        "short": (generator.encode(PROMPTS[3]), 4),
+    }
+    tokens = {name: [] for name in asks}
+
+    def submit(name):
+        def on_token(token):
+            tokens[name].append(token)
+            events.append((name, "token"))
+
+        def on_end(end):
+            events.append((name, end))
+            done[name].set()
+
+        scheduler.submit(Job(asks[name][0], asks[name][1], on_token, on_end))
+
+    try:
+        submit("stream")
+        deadline = time.time() + 30
+        while not tokens["stream"] and time.time() < deadline:
+            time.sleep(0.001)
+        with scheduler._wake:  # noqa: SLF001 - both arrive before the loop's next turn
+            submit("long")
+            submit("short")
+        assert all(event.wait(120) for event in done.values())
+    finally:
+        scheduler.stop()
+    order = [name for name, kind in events if kind == "token"]
+    long_first, short_first = order.index("long"), order.index("short")
+    assert short_first < long_first  # the short prompt did not wait for the long one's prefill
+    assert order[short_first:long_first].count("stream") >= 3  # the stream kept decoding meanwhile
+    for name, (ids, count) in asks.items():
+        assert tokens[name] == generator.generate_ids(ids, count)[: len(tokens[name])]
+    assert scheduler.kv.reserved == 0 and scheduler.batch.free_rows() == [0, 1, 2]
+
+
+def test_the_kv_budget_admits_what_fits_and_refuses_what_never_can(fp32_generator):
+    generator = fp32_generator
+    per_token = generator.decoder.kv_bytes_per_token
+    budget_mb = 600 * per_token / 1e6
+    scheduler = Scheduler(generator, slots=2, queue_size=4, kv_cache_mb=budget_mb)
+    assert (scheduler.kv.tokens, scheduler.kv.row_tokens) == (600, 600)
+    with pytest.raises(TooLarge, match="needs 610 tokens of KV cache; this server gives one request at most 600"):
+        scheduler.submit(Job(long_prompt(generator, 600), 10, print, print))
+    prompts = [long_prompt(generator, 300), generator.encode(PROMPTS[0])]
+    try:  # 300 + 20 and 16 + 290 tokens: together past the budget, so the second waits for the first
+        results = run_jobs(scheduler, [(prompts[0], 20, Sampling()), (prompts[1], 290, Sampling())])
+    finally:
+        scheduler.stop()
+    assert scheduler.widest_step == 1 and scheduler.kv.reserved == 0
+    assert results[0]["tokens"] == generator.generate_ids(prompts[0], 20)
+    with pytest.raises(ValueError, match="3 slots need at least 768"):
+        Scheduler(generator, slots=3, kv_cache_mb=budget_mb)
+
+
+def resident_bytes(array: np.ndarray) -> int:
+    """The bytes of the memory map holding `array` that are in RAM now (/proc/self/smaps)."""
+    address, inside = array.ctypes.data, False
+    with open("/proc/self/smaps", encoding="ascii") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                start, end = (int(part, 16) for part in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "Rss:":
+                return int(line.split()[1]) * 1024
+    raise AssertionError("the array's mapping is not in /proc/self/smaps")
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads Linux's /proc/self/smaps")
+def test_a_released_row_gives_its_memory_back(fp32_generator):
+    batch = BatchDecoder(fp32_generator.session, slots=2, row_tokens=1024)
+    keys = batch._arrays[0]  # noqa: SLF001 - the first layer's key buffer
+    assert resident_bytes(keys) == 0  # nothing written, nothing held
+    batch.prefill(0, long_prompt(fp32_generator, 1000))
+    row_bytes = keys.nbytes // 2
+    assert resident_bytes(keys) >= 0.9 * row_bytes
+    batch.release(0)
+    assert resident_bytes(keys) == 0

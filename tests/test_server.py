@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import socket
 import threading
@@ -40,12 +41,12 @@ def chat_folder(built, tmp_path_factory):
 
 
 @contextlib.contextmanager
-def serving(folder, slots=2, queue_size=8, limits=None, api_key=None):
+def serving(folder, slots=2, queue_size=8, limits=None, api_key=None, kv_cache_mb=None):
     import uvicorn
 
     from ortforge.server import GracefulServer, Service, create_app
 
-    service = Service(TextGenerator(folder), MODEL, slots, queue_size, limits=limits).start()
+    service = Service(TextGenerator(folder), MODEL, slots, queue_size, limits=limits, kv_cache_mb=kv_cache_mb).start()
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = GracefulServer(service, uvicorn.Config(create_app(service, api_key), log_level="warning"))
@@ -510,7 +511,7 @@ def test_metrics_count_requests_tokens_and_latency(chat_folder, long_prompt, cap
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    with caplog.at_level(logging.INFO, logger="ortforge.access"), serving(chat_folder) as (url, _):
+    with caplog.at_level(logging.INFO, logger="ortforge.access"), serving(chat_folder) as (url, service):
         body = {"model": MODEL, "prompt": long_prompt, "max_tokens": 5, "temperature": 0}
         assert httpx.post(f"{url}/v1/completions", json=body, timeout=30).status_code == 200
         assert httpx.post(f"{url}/v1/completions", json=body | {"seed": -1}, timeout=30).status_code == 400
@@ -527,7 +528,9 @@ def test_metrics_count_requests_tokens_and_latency(chat_folder, long_prompt, cap
     assert samples[("ortforge_time_to_first_token_seconds_count", ())] == 1
     assert samples[("ortforge_inter_token_seconds_count", ())] == 4
     assert samples[("ortforge_queue_depth", ())] == 0 and samples[("ortforge_slots", ())] == 2
-    assert samples[("ortforge_kv_cache_allocated_bytes", ())] > 0
+    budget = service.scheduler.kv.tokens * service.scheduler.kv.bytes_per_token
+    assert samples[("ortforge_kv_cache_budget_bytes", ())] == budget > 0
+    assert samples[("ortforge_kv_cache_reserved_bytes", ())] == samples[("ortforge_kv_cache_used_bytes", ())] == 0
     lines = [json.loads(record.getMessage()) for record in caplog.records if record.name == "ortforge.access"]
     assert [line["status"] for line in lines[:3]] == [200, 400, 404]
     assert all(long_prompt not in json.dumps(line) for line in lines)
@@ -538,6 +541,7 @@ def test_serve_checks_its_port_queue_and_door_before_loading_the_model(chat_fold
 
     bad = [(["--port", "99999"], "not a TCP port"), (["--queue", "-1"], "waiting requests")]
     bad += [(["--max-body-mb", "0"], "would refuse every request"), (["--shutdown-timeout", "-1"], ">= 0")]
+    bad += [(["--kv-cache-mb", "0"], "holds no KV cache")]
     for flags, says in bad:
         with pytest.raises(SystemExit) as stopped:
             cli.parser().parse_args(["serve", str(chat_folder), *flags])
@@ -567,3 +571,36 @@ def test_special_token_text_in_a_message_is_text_not_a_turn(chat_folder):
     assert generator.tokenizer.decode(ids, skip_special_tokens=False) == render_chat(chat_folder, injected)
     plain = [{"role": "user", "content": "hello there"}]
     assert generator.encode_chat(plain) == generator.encode(render_chat(chat_folder, plain), add_special_tokens=False)
+
+
+def test_the_kv_budget_refuses_what_never_fits_in_one_line_and_bounds_the_default_reply(chat_folder):
+    per_token = TextGenerator(chat_folder).decoder.kv_bytes_per_token
+    with serving(chat_folder, slots=2, kv_cache_mb=600 * per_token / 1e6) as (url, service):
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 700}
+        answer = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+        error = answer.json()["error"]
+        assert answer.status_code == 400 and error["code"] == "context_length_exceeded"
+        assert "gives one request at most 600" in error["message"] and "\n" not in error["message"]
+        with pytest.raises(ValueError, match="2 slots need at least 512"):
+            type(service)(service.generator, MODEL, 2, 8, kv_cache_mb=500 * per_token / 1e6)
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+        reply = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=120).json()  # no max_tokens
+        assert reply["usage"]["total_tokens"] <= 600  # the default reply ends within one request's room
+        health = httpx.get(f"{url}/health").json()["kv_cache_mb"]
+        assert health == {"budget": round(600 * per_token / 1e6, 1), "reserved": 0.0, "used": 0.0}
+
+
+def test_a_soak_of_mixed_requests_ends_with_the_server_clean_and_its_memory_flat(chat_folder):
+    """1,000 requests from 4 clients: short and long prompts, streamed or not, streams abandoned
+    after 3 tokens. Every one is answered 200, every row and reservation is given back, and the
+    process's RSS in the soak's last quarter is within 25 MB of its first quarter's."""
+    from benchmarks.server_soak import soak
+
+    prompts = {"short": PROMPT, "soak_long": " ".join([PROMPT] * 40)}
+    with serving(chat_folder, slots=2, queue_size=16) as (url, service):
+        result = soak(url, MODEL, prompts, requests=1000, clients=4, pid=os.getpid(), every=0.25)
+        assert service.liveness()[0]
+        scheduler = service.scheduler
+        assert scheduler.kv.reserved == 0 and scheduler.batch.free_rows() == [0, 1] and not scheduler.busy
+    assert result["statuses"] == {"200": 1000}
+    assert result["rss_mb_last_quarter_median"] - result["rss_mb_first_quarter_median"] < 25
