@@ -8,7 +8,8 @@ every field honoured or refused with a 400 that names it, never silently ignored
 - Chat content may be a string or a list of text parts; the `developer` role is the system role
   (OpenAI's newer name for it).
 - A field this server does not implement passes only with the value that asks nothing of it
-  (`logprobs: false`, `frequency_penalty: 0`, `tools: []`...); any other value is a 400 naming it.
+  (`frequency_penalty: 0`, `tools: []`...); any other value is a 400 naming it. Implemented:
+  `logprobs` (ortforge.logprobs) and chat's `response_format` (ortforge.structured).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from ortforge.logprobs import MAX_TOP_CHAT, MAX_TOP_COMPLETIONS
 
 QUOTED = 100  # characters of client input an error message may repeat
 MAX_DEPTH = 32  # JSON nesting: OpenAI's bodies need 5 (a tool schema more; we take none)
@@ -28,8 +31,6 @@ MAX_REPETITION_PENALTY = 100.0  # and at least 1 / MAX_REPETITION_PENALTY: an ex
 NO_EFFECT = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls"})
 # OpenAI fields this server does not implement, with the values that ask nothing of them.
 INERT_VALUES: dict[str, tuple] = {
-    "logprobs": (False, 0),
-    "top_logprobs": (0,),
     "echo": (False,),
     "best_of": (1,),
     "frequency_penalty": (0,),
@@ -106,6 +107,10 @@ class Settings(BaseModel):
                 )
         return self
 
+    def logprob_count(self) -> int | None:
+        """None: no logprobs in the reply; n: each token's log-probability and the n most likely."""
+        return None
+
     def sampling_values(self) -> tuple[float, int, float, float, int | None]:
         """(temperature, top_k, top_p, repetition_penalty, seed) for ortforge.sampling.Sampling.
         At temperature 0 the most likely token is picked, and it lies inside every top-k and top-p
@@ -128,6 +133,10 @@ def same_value(value: Any, inert: Any) -> bool:
 
 class CompletionRequest(Settings):
     prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)]
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_COMPLETIONS)] | None = None
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
     def text(self) -> str:
         return self.prompt if isinstance(self.prompt, str) else self.prompt[0]
@@ -136,6 +145,34 @@ class CompletionRequest(Settings):
 class ChatRequest(Settings):
     messages: Annotated[list[dict], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_completion_tokens: int | None = None
+    response_format: dict | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_CHAT)] | None = None
+
+    def logprob_count(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def json_schema(self) -> dict | None:
+        """The JSON schema replies must meet (ortforge.structured), None for plain text: OpenAI's
+        `json_object` is any JSON object, `json_schema` its `json_schema.schema`."""
+        found = self.response_format or {"type": "text"}
+        kind = found.get("type")
+        if kind == "text" and set(found) == {"type"}:
+            return None
+        if kind == "json_object" and set(found) == {"type"}:
+            return {"type": "object"}
+        if kind == "json_schema" and set(found) == {"type", "json_schema"}:
+            spec = found["json_schema"]
+            if isinstance(spec, dict) and isinstance(spec.get("schema", {}), dict):
+                if isinstance(spec.get("name"), str) and set(spec) <= {"name", "schema", "strict", "description"}:
+                    return spec.get("schema") or {}
+        raise RequestError(
+            f"response_format={quoted(found)}: give {{'type': 'text'}}, {{'type': 'json_object'}} or "
+            "{'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}",
+            param="response_format",
+        )
 
     def plain_messages(self) -> list[dict]:
         """[{role, content}] with content as one string and `developer` as `system`."""

@@ -39,13 +39,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
+from tokenizers import Tokenizer
 
 from ortforge.api import ChatRequest, CompletionRequest, RequestError, Settings, parse_body, quoted
 from ortforge.chat import StopStrings, stop_strings
 from ortforge.generate import IncrementalDetokenizer, TextGenerator
+from ortforge.logprobs import LogprobSampler, chat_logprobs, completion_logprobs
 from ortforge.metrics import Observed, ServerMetrics
 from ortforge.sampling import Sampling
 from ortforge.scheduler import LENGTH, Job, QueueFull, Scheduler, TooLarge
+from ortforge.structured import ConstrainedSampler, Grammars
 
 COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's default for /v1/completions
 MESSAGE_CHARACTERS = 400  # an error message longer than this quoted client input: cut it
@@ -118,6 +121,7 @@ class Service:
     ):
         """kv_cache_mb: the KV cache's budget (None: the scheduler's default for this model)."""
         self.generator, self.model_id = generator, model_id
+        self.grammars = Grammars(generator.model_dir / "tokenizer.json", generator.stop_ids)
         self.scheduler = Scheduler(generator, slots, queue_size, prefix_mb, kv_cache_mb)
         limits = limits or Limits()
         if limits.max_body_bytes is None:
@@ -153,8 +157,9 @@ class Service:
     def begin_shutdown(self) -> None:
         self.deadline = time.monotonic() + self.limits.shutdown_timeout
 
-    def submit(self, prompt_ids: list[int], body: Settings, default_tokens: int) -> tuple[Reply, Job]:
-        """Queue the request; ApiError for a bad setting, a prompt past the context or a full queue."""
+    def submit(self, prompt_ids: list[int], body: Settings, default_tokens: int, grammar=None) -> tuple[Reply, Job]:
+        """Queue the request (its replies kept to `grammar`, an llguidance matcher, when given);
+        ApiError for a bad setting, a prompt past the context or a full queue."""
         if self.deadline is not None:
             raise ApiError(503, "the server is shutting down; retry on another instance", kind="server_unavailable")
         if not self.scheduler.alive:
@@ -165,6 +170,7 @@ class Service:
             raise ApiError(400, f"max_tokens {max_tokens} must be at least 1", param="max_tokens")
         try:
             sampling = Sampling(*body.sampling_values())
+            top_logprobs = body.logprob_count()
             self.generator.checked_prompt(prompt_ids, max_tokens)
         except RequestError as error:
             raise ApiError.refused(error) from None
@@ -173,13 +179,18 @@ class Service:
             raise ApiError(400, str(error), code=code) from None
         reply, loop = Reply(len(prompt_ids)), asyncio.get_running_loop()
 
-        def on_token(token: int) -> None:
-            loop.call_soon_threadsafe(reply.queue.put_nowait, token)
+        def on_token(token: int) -> None:  # (on the scheduler's thread, right after the pick)
+            noted = job.sampler.taken() if top_logprobs is not None else None
+            loop.call_soon_threadsafe(reply.queue.put_nowait, (token, noted))
 
         def on_end(reason: str) -> None:
             loop.call_soon_threadsafe(reply.queue.put_nowait, reason)
 
         job = Job(prompt_ids, max_tokens, on_token, on_end, sampling)
+        if grammar is not None:
+            job.sampler = ConstrainedSampler(job.sampler, grammar)
+        if top_logprobs is not None:
+            job.sampler = LogprobSampler(job.sampler, top_logprobs)
         try:
             self.scheduler.submit(job)
         except TooLarge as error:
@@ -203,31 +214,34 @@ class Service:
                     raise ApiError(503, "the scheduler stopped; restart the server", kind="server_error") from None
 
     async def pieces(self, reply: Reply, job: Job, stops: tuple[str, ...]):
-        """The reply's text pieces as they come, up to a stop string; sets its finish reason. The
-        job is cancelled (its slot freed) however this ends early: a stop string or a client gone."""
+        """The reply's text pieces as they come, up to a stop string, each with the logprobs of the
+        tokens it completes (empty unless asked); sets its finish reason. The job is cancelled (its
+        slot freed) however this ends early: a stop string or a client gone."""
         detokenizer, cut = IncrementalDetokenizer(self.generator.tokenizer), StopStrings(stops)
-        last = reply.admitted
+        last, noted = reply.admitted, []
         try:
             while True:
                 item = await self.next_item(reply)
-                if not isinstance(item, str):
-                    now = time.perf_counter()
-                    timing = self.metrics.inter_token if reply.completion_tokens else self.metrics.first_token
-                    timing.observe(now - last)
-                    self.metrics.tokens.inc()
-                    last = now
                 if isinstance(item, str):  # the end: a reason, or an error
                     if item.startswith("error: "):
                         raise ApiError(500, item.removeprefix("error: "), kind="server_error")
                     reply.finish_reason = "length" if item == LENGTH else "stop"
                     shown, stopped = cut.push(detokenizer.flush())
-                    if rest := shown if stopped else shown + cut.flush():
-                        yield rest
+                    if (rest := shown if stopped else shown + cut.flush()) or noted:
+                        yield rest, noted
                     return
+                now = time.perf_counter()
+                timing = self.metrics.inter_token if reply.completion_tokens else self.metrics.first_token
+                timing.observe(now - last)
+                self.metrics.tokens.inc()
+                last = now
+                token, logprob = item
                 reply.completion_tokens += 1
-                shown, stopped = cut.push(detokenizer.push(item))
+                noted += [logprob] if logprob is not None else []
+                shown, stopped = cut.push(detokenizer.push(token))
                 if shown:
-                    yield shown
+                    yield shown, noted
+                    noted = []
                 if stopped:
                     reply.finish_reason = "stop"
                     return
@@ -263,10 +277,10 @@ async def parsed(request: Request, model: type[Settings], limit: int) -> Setting
         raise ApiError.refused(error) from None
 
 
-async def collect(service: Service, request: Request, reply: Reply, job: Job, stops) -> str:
-    """The whole text, cancelling the job if the client goes away while it waits."""
-    pieces, text = service.pieces(reply, job, stops), []
-    task = asyncio.ensure_future(_gather(pieces, text))
+async def collect(service: Service, request: Request, reply: Reply, job: Job, stops) -> tuple[str, list]:
+    """The whole text and its tokens' logprobs, cancelling the job if the client goes away while it waits."""
+    pieces, text, noted = service.pieces(reply, job, stops), [], []
+    task = asyncio.ensure_future(_gather(pieces, text, noted))
     while not task.done():
         await asyncio.wait([task], timeout=0.5)
         if not task.done() and await request.is_disconnected():
@@ -274,12 +288,13 @@ async def collect(service: Service, request: Request, reply: Reply, job: Job, st
             job.cancelled.set()
             raise ApiError(499, "the client closed the request")
     task.result()
-    return "".join(text)
+    return "".join(text), noted
 
 
-async def _gather(pieces, into: list[str]) -> None:
-    async for piece in pieces:
-        into.append(piece)
+async def _gather(pieces, text: list[str], noted: list) -> None:
+    async for piece, logprobs in pieces:
+        text.append(piece)
+        noted += logprobs
 
 
 def sse(chunk: dict) -> str:
@@ -395,21 +410,28 @@ def create_app(service: Service, api_key: str | None = None, loopback: bool = Tr
         except ValueError as error:
             raise ApiError(400, f"messages: {error}", param="messages") from None
         room = service.scheduler.kv.row_tokens  # the context, within the KV budget
-        return await respond(request, body, prompt_ids, max(1, room - len(prompt_ids)), chat=True)
+        try:
+            schema = body.json_schema()
+            grammar = None if schema is None else await run_in_threadpool(service.grammars.matcher, schema)
+        except RequestError as error:
+            raise ApiError.refused(error) from None
+        return await respond(request, body, prompt_ids, max(1, room - len(prompt_ids)), chat=True, grammar=grammar)
 
-    async def respond(request: Request, body: Settings, prompt_ids: list[int], default_tokens: int, chat: bool):
+    async def respond(
+        request: Request, body: Settings, prompt_ids: list[int], default_tokens: int, chat: bool, grammar=None
+    ):
         try:
             stops = stop_strings(body.stop or ())
         except ValueError as error:
             raise ApiError(400, f"stop: {error}", param="stop") from None
-        reply, job = service.submit(prompt_ids, body, default_tokens)
-        shape = Shape(service.model_id, chat)
+        reply, job = service.submit(prompt_ids, body, default_tokens, grammar)
+        shape = Shape(service.model_id, chat, service.generator.tokenizer if body.logprob_count() is not None else None)
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
             events = stream_events(service, reply, job, stops, shape, include_usage)
             return StreamingResponse(events, media_type="text/event-stream")
-        text = await collect(service, request, reply, job, stops)
-        return shape.whole(text, reply)
+        text, noted = await collect(service, request, reply, job, stops)
+        return shape.whole(text, reply, noted)
 
     return app
 
@@ -419,8 +441,8 @@ async def stream_events(service: Service, reply: Reply, job: Job, stops, shape: 
     try:
         if shape.chat:
             yield sse(shape.chunk({"role": "assistant", "content": ""}))
-        async for piece in service.pieces(reply, job, stops):
-            yield sse(shape.chunk({"content": piece} if shape.chat else piece))
+        async for piece, noted in service.pieces(reply, job, stops):
+            yield sse(shape.chunk({"content": piece} if shape.chat else piece, logprobs=noted))
         yield sse(shape.chunk({} if shape.chat else "", reply.finish_reason))
         if include_usage:
             yield sse({**shape.chunk(None), "choices": [], "usage": usage(reply)})
@@ -437,27 +459,40 @@ class Shape:
 
     model: str
     chat: bool
+    tokenizer: Tokenizer | None = None  # the model's, when the request asked for logprobs
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
+    sent: int = 0  # characters of the reply sent in chunks so far (completions' text_offset)
+
+    def _logprobs(self, noted: list, offset: int) -> dict | None:
+        if self.tokenizer is None:
+            return None
+        if self.chat:
+            return chat_logprobs(self.tokenizer, noted)
+        return completion_logprobs(self.tokenizer, noted, offset)
 
     def _head(self, kind: str) -> dict:
         prefix = "chatcmpl" if self.chat else "cmpl"
         return {"id": f"{prefix}-{self.id}", "object": kind, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, reply: Reply) -> dict:
+    def whole(self, text: str, reply: Reply, noted: list = ()) -> dict:
+        logprobs = self._logprobs(list(noted), 0)
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None}
+            choice = {"index": 0, "text": text, "logprobs": logprobs}
         kind = "chat.completion" if self.chat else "text_completion"
         choices = [{**choice, "finish_reason": reply.finish_reason}]
         return {**self._head(kind), "choices": choices, "usage": usage(reply)}
 
-    def chunk(self, content, finish_reason: str | None = None) -> dict:
+    def chunk(self, content, finish_reason: str | None = None, logprobs: list | None = None) -> dict:
+        """One streamed chunk; logprobs: those of the tokens whose text it carries (None: none)."""
+        found = None if logprobs is None else self._logprobs(logprobs, self.sent)
         if self.chat:
-            choice = {"index": 0, "delta": content or {}}
+            choice = {"index": 0, "delta": content or {}, "logprobs": found}
         else:
-            choice = {"index": 0, "text": content or "", "logprobs": None}
+            choice = {"index": 0, "text": content or "", "logprobs": found}
+            self.sent += len(content or "")
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self._head(kind), "choices": [{**choice, "finish_reason": finish_reason}]}
 

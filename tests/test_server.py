@@ -14,6 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import numpy as np
 import pytest
 
 from ortforge import cli
@@ -168,7 +169,8 @@ def test_concurrent_clients_get_their_batch_1_text(server, chat_folder):
         ({"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature: Input should be greater than"),
         ({"model": MODEL, "prompt": "x", "temperature": 1, "repetition_penalty": 1e-320}, 400, "repetition_penalty"),
         ({"model": MODEL, "prompt": "x", "seed": -1}, 400, "seed: Input should be greater than"),
-        ({"model": MODEL, "prompt": "x", "logprobs": 2}, 400, "logprobs=2: not supported by this server"),
+        ({"model": MODEL, "prompt": "x", "logprobs": 6}, 400, "logprobs: Input should be less than or equal to 5"),
+        ({"model": MODEL, "prompt": "x", "response_format": {"type": "json_object"}}, 400, "response_format="),
         ({"model": MODEL, "prompt": "x", "made_up": 1}, 400, "made_up: not a field this endpoint takes"),
         (b'{"model": "\\ud800x", "prompt": "x"}', 400, "unpaired surrogate"),
         ({"model": "m" * 5000, "prompt": "x"}, 404, "(5000 characters) is not served here"),
@@ -420,6 +422,10 @@ def fuzzed_requests():
         max_leaves=8,
     )
     numbers = st.floats(min_value=-3, max_value=3) | st.integers(-5, 300)
+    formats = st.sampled_from([{"type": "text"}, {"type": "json_object"}]) | st.builds(
+        lambda kind: {"type": "json_schema", "json_schema": {"name": "reply", "schema": {"type": kind}}},
+        st.sampled_from(["object", "array", "string", "integer", "boolean"]),
+    )
     valid_settings = {
         "temperature": st.floats(0, 2) | st.none(),
         "top_p": st.floats(0, 1) | st.none(),
@@ -429,19 +435,19 @@ def fuzzed_requests():
         "stop": st.lists(st.text(min_size=1, max_size=3), max_size=4) | st.text(min_size=1, max_size=3),
         "stream": st.booleans(),
         "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
-        "logprobs": st.just(False),
         "user": st.text(max_size=8),
     }
     valid_completion = st.fixed_dictionaries(
         {"model": st.just(MODEL), "prompt": st.text(min_size=1, max_size=60), "max_tokens": st.integers(1, 6)},
-        optional=valid_settings,
+        optional=valid_settings | {"logprobs": st.integers(0, 5) | st.none()},
     )
     valid_message = st.fixed_dictionaries(
         {"role": st.sampled_from(["system", "developer", "user", "assistant"]), "content": st.text(max_size=40)}
     )
     valid_chat = st.fixed_dictionaries(
         {"model": st.just(MODEL), "messages": st.lists(valid_message, min_size=1, max_size=3)},
-        optional=valid_settings | {"max_completion_tokens": st.integers(1, 6)},
+        optional=valid_settings
+        | {"max_completion_tokens": st.integers(1, 6), "logprobs": st.booleans(), "response_format": formats},
     ).map(lambda body: body if "max_completion_tokens" in body else body | {"max_tokens": 4})
     message = st.fixed_dictionaries(
         {"role": st.sampled_from(["system", "developer", "user", "assistant", "tool", ""]) | anything},
@@ -462,6 +468,7 @@ def fuzzed_requests():
         "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}) | anything,
         "n": st.integers(0, 3) | anything,
         "logprobs": st.booleans() | st.integers(0, 5),
+        "top_logprobs": st.integers(-2, 25) | anything,
         "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}]) | anything,
         "frequency_penalty": numbers,
         "made_up": anything,
@@ -604,3 +611,96 @@ def test_a_soak_of_mixed_requests_ends_with_the_server_clean_and_its_memory_flat
         assert scheduler.kv.reserved == 0 and scheduler.batch.free_rows() == [0, 1] and not scheduler.busy
     assert result["statuses"] == {"200": 1000}
     assert result["rss_mb_last_quarter_median"] - result["rss_mb_first_quarter_median"] < 25
+
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "mood": {"enum": ["calm", "busy", "curious"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "maxItems": 2},
+    },
+    "required": ["name", "age", "mood", "tags"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("temperature, seed", [(0, None), (1.0, 1), (1.0, 2), (1.5, 3)])
+def test_response_format_json_schema_replies_parse_and_meet_the_schema(client, temperature, seed):
+    """The official client's structured-output request, greedy and sampled: every reply is JSON
+    that meets the schema (on a random-weight model, so nothing but the grammar makes it so)."""
+    import jsonschema
+
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Describe someone."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}},
+        temperature=temperature,
+        seed=seed,
+        max_tokens=200,
+    )
+    assert reply.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(reply.choices[0].message.content), PERSON)
+
+
+def test_response_format_json_object_and_bad_schemas(server):
+    url, _ = server
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": 0, "max_tokens": 300}
+    reply = httpx.post(
+        f"{url}/v1/chat/completions", json=chat | {"response_format": {"type": "json_object"}}, timeout=60
+    )
+    choice = reply.json()["choices"][0]
+    if choice["finish_reason"] == "stop":  # (a random model may fill max_tokens inside one string)
+        assert isinstance(json.loads(choice["message"]["content"]), dict)
+    else:
+        assert choice["message"]["content"].startswith("{")
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}
+    answer = httpx.post(f"{url}/v1/chat/completions", json=chat | {"response_format": bad}, timeout=30)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "response_format"
+    shapeless = {"type": "json_schema", "schema": PERSON}
+    answer = httpx.post(f"{url}/v1/chat/completions", json=chat | {"response_format": shapeless}, timeout=30)
+    assert answer.status_code == 400 and "give {'type': 'text'}" in answer.json()["error"]["message"]
+
+
+def test_logprobs_are_the_models_own_log_probabilities(client, chat_folder):
+    """Chat logprobs with top alternatives, through the official client: greedy picks each step's
+    most likely token, and the first step's figures are the log-softmax of the runtime's logits."""
+    generator = TextGenerator(chat_folder)
+    messages = [{"role": "user", "content": PROMPT}]
+    reply = client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=6, logprobs=True, top_logprobs=3
+    )
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens
+    for item in content:
+        assert len(item.top_logprobs) == 3 and item.top_logprobs[0].logprob == item.logprob <= 0
+        assert [t.logprob for t in item.top_logprobs] == sorted((t.logprob for t in item.top_logprobs), reverse=True)
+    ids = generator.encode_chat(messages)
+    logits, _ = generator.decoder.forward(ids, generator.decoder.empty_cache(), last_only=True)
+    expected = logits[-1].astype(np.float64) - np.logaddexp.reduce(logits[-1].astype(np.float64))
+    best = np.argsort(-expected)[:3]
+    np.testing.assert_allclose([t.logprob for t in content[0].top_logprobs], expected[best], atol=1e-6)
+    assert content[0].token == generator.tokenizer.decode([int(best[0])], skip_special_tokens=False)
+
+
+def test_completion_logprobs_whole_and_streamed_and_their_limits(server):
+    url, _ = server
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "temperature": 0, "logprobs": 2}
+    whole = httpx.post(f"{url}/v1/completions", json=body, timeout=30).json()
+    found = whole["choices"][0]["logprobs"]
+    assert len(found["tokens"]) == len(found["token_logprobs"]) == whole["usage"]["completion_tokens"]
+    assert all(len(top) <= 2 for top in found["top_logprobs"]) and found["text_offset"][0] == 0
+    assert found["text_offset"] == sorted(found["text_offset"])
+    streamed = []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body | {"stream": True}, timeout=30) as answer:
+        for line in answer.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])["choices"][0]
+                streamed += (chunk["logprobs"] or {}).get("token_logprobs", [])
+    assert streamed == found["token_logprobs"]  # greedy: the same tokens, the same figures
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}
+    answer = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=30)
+    assert answer.status_code == 400 and answer.json()["error"]["message"] == "top_logprobs needs logprobs: true"
+    answer = httpx.post(f"{url}/v1/chat/completions", json=chat | {"logprobs": True, "top_logprobs": 21}, timeout=30)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "top_logprobs"
