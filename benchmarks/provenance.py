@@ -52,6 +52,19 @@ def model_outputs(model: str, variants: Iterable[str], hf: bool = False) -> list
     return paths
 
 
+def current_variant(model: str, variant: str) -> tuple[Path, list[str]]:
+    """A built variant's folder and the DVC outputs a measurement of it reads; SystemExit before
+    any work when it is missing or differs from what dvc.lock records."""
+    from tasks.core.paths import variant_dir
+
+    folder = REPO / variant_dir(model, variant)
+    if not (folder / "model.onnx").is_file():
+        raise SystemExit(f"error: {folder} is missing; run `dvc repro` first")
+    measured = model_outputs(model, [variant])
+    require_current(measured)
+    return folder, measured
+
+
 def require_current(paths: list[str]) -> None:
     """SystemExit, before measuring, when an output is not in dvc.lock or differs from it on disk
     (a result would record hashes of something other than what it measured)."""

@@ -32,7 +32,6 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks import provenance  # noqa: E402
 from benchmarks.serving import TEXT, free_port, ortforge_command, started  # noqa: E402
-from tasks.core import paths  # noqa: E402
 from tasks.core.files import atomic_write_json  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
@@ -186,11 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=2000, help="the soak's requests")
     parser.add_argument("--clients", type=int, default=4)
     args = parser.parse_args(argv)
-    folder = paths.variant_dir(args.model, args.variant)
-    if not (folder / "model.onnx").is_file():
-        raise SystemExit(f"error: {folder} is missing; run `dvc repro` first")
-    measured = provenance.model_outputs(args.model, [args.variant])
-    provenance.require_current(measured)
+    folder, measured = provenance.current_variant(args.model, args.variant)
     lengths = {"short": 48, "long": args.long_tokens, "memory": args.memory_tokens, "soak_long": 1000}
     prompts = texts(folder, lengths)
     model = f"{args.model}/{args.variant}"
