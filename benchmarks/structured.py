@@ -3,7 +3,7 @@ the served model's tokenizer: llguidance and outlines-core (both on PyPI, neithe
 xgrammar does). For each library and schema: the one-time cost (the tokenizer's preparation, the
 schema's compilation) and a decode step's cost (the mask of allowed tokens, as a numpy array the
 sampler can use, then advancing by the chosen token), over the tokens of a reply that meets the
-schema, laid out as json.dumps does (the layout the server's grammar fixes).
+schema, in compact JSON (the layout the server's grammar fixes).
 
 Writes benchmarks/results/structured.json and prints the table. Needs `dvc repro` first (it reads
 the variant's tokenizer).
@@ -151,7 +151,7 @@ def measure(engine: str, tokenizer_json: str, eos: int, encode, rounds: int) -> 
     result = {"tokenizer_setup_s": setup, "cases": {}}
     for name, (schema, value) in CASES.items():
         compiles, steps = [], []
-        ids = encode(json.dumps(value))
+        ids = encode(json.dumps(value, separators=(",", ":")))
         for _ in range(rounds):
             seconds, matcher = _timed(lambda schema=schema: compile_schema(schema))
             compiles.append(seconds)

@@ -21,8 +21,8 @@ import numpy as np
 from ortforge.api import RequestError, quoted
 from ortforge.sampling import Sampler
 
-# One space after ',' and ':' (json.dumps' layout), no other: a model cannot fill its reply with
-# whitespace the grammar would allow between tokens. A schema's own "x-guidance" options win.
+# Compact JSON (no whitespace between tokens): a model cannot fill its reply with the whitespace a
+# flexible grammar allows anywhere between tokens. A schema's own "x-guidance" options win.
 FIXED_WHITESPACE = {"whitespace_flexible": False}
 
 
