@@ -33,6 +33,8 @@ COMMANDS = {
     "scale.json": "python benchmarks/scale.py",
     "continuations-gemma3-270m.json": "python benchmarks/continuations.py --model gemma3-270m",
     "step_profile.json": "python benchmarks/step_profile.py",
+    "server_soak.json": "python benchmarks/server_soak.py",
+    "structured.json": "python benchmarks/structured.py",
 }
 
 

@@ -24,6 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks import continuations, provenance, refresh, scale, step_profile  # noqa: E402
+from benchmarks import structured as structured_bench  # noqa: E402
 from benchmarks.side_by_side import chain_table, quality_table, table  # noqa: E402
 from tasks.reporting import gates  # noqa: E402
 
@@ -310,6 +311,47 @@ def step_profile_summary() -> str:
     )
 
 
+def server_soak() -> str:
+    report = _json(RESULTS / "server_soak.json")
+    lead, memory, soak = report["interleaving"], report["memory"], report["soak"]
+    lengths = report["prompt_tokens"]
+    rows = [
+        "| what | figure |",
+        "|---|---|",
+        f"| a stream's inter-token ms p50 / p95, alone | {lead['unloaded_inter_token_ms_p50']:.1f} / "
+        f"{lead['unloaded_inter_token_ms_p95']:.1f} |",
+        f"| the same while a {lengths['long']:,}-token prompt is prefilled | "
+        f"{lead['inter_token_ms_p50_during_long_prefill']:.1f} / {lead['inter_token_ms_p95_during_long_prefill']:.1f} "
+        f"(p95 x{lead['p95_ratio_to_unloaded']:.2f}; goal at most x3) |",
+        f"| that prompt's first token, beside the stream / alone | {lead['long_prompt_first_token_s']:.1f} s / "
+        f"{lead['long_prompt_first_token_s_alone']:.1f} s |",
+        f"| first token of a short request sent 0.5 s after it | "
+        f"{lead['short_behind_long_first_token_s'] * 1e3:.0f} ms |",
+        f"| RSS idle / after a {lengths['memory']:,}-token request | {memory['idle_rss_mb']:.0f} MB / "
+        f"{memory['rss_mb_after_long_request']:.0f} MB ({memory['growth_mb']:+.0f} MB; goal within 50) |",
+        f"| soak: {soak['requests']:,} mixed requests, {soak['clients']} clients, {soak['seconds']:.0f} s | "
+        f"answers {', '.join(f'{n} x {status}' for status, n in soak['statuses'].items())} |",
+        f"| soak RSS: first quarter / last quarter median, max, end minus idle | "
+        f"{soak['rss_mb_first_quarter_median']:.0f} / {soak['rss_mb_last_quarter_median']:.0f} MB, "
+        f"{soak['rss_mb_max']:.0f} MB, {soak['rss_mb_after_soak_minus_idle']:+.0f} MB |",
+    ]
+    head = (
+        f"{report['model']} {report['variant']}, `ortforge serve` with {report['slots']} slots over HTTP, "
+        f"{report['cpus']} cores (soak mix: {', '.join(f'{n} {kind}' for kind, n in soak['mix'].items())}):"
+    )
+    return "\n".join([head, "", *rows])
+
+
+def structured() -> str:
+    report = _json(RESULTS / "structured.json")
+    head = (
+        f"{report['model']}'s tokenizer ({report['vocabulary']:,} tokens), {report['cpus']} cores; a step is the "
+        "mask of allowed tokens as a numpy array plus advancing by the chosen token, over replies that meet the "
+        "schema:"
+    )
+    return "\n".join([head, "", structured_bench.table(report)])
+
+
 RENDERERS = {
     "report-smollm2-135m": lambda: report_table("smollm2-135m"),
     "summary-smollm2-135m": lambda: report_summary("smollm2-135m"),
@@ -334,6 +376,8 @@ RENDERERS = {
     "tuned-settings": tuned_settings,
     "continuations-gemma3-270m": lambda: continuations.table(_json(RESULTS / "continuations-gemma3-270m.json")),
     "step-profile": step_profile_summary,
+    "server-soak": server_soak,
+    "structured": structured,
 }
 
 
