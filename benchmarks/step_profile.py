@@ -149,17 +149,19 @@ def phases(events: list[dict], labels: list[str], wall: dict[str, list[float]]) 
 def scheduler_time(folder: str, prompts: list[list[int]], new_tokens: int) -> dict:
     """Run in a fresh process, no profiler: per number of rows, the scheduler's time per step
     (from one step's start to the next's) and the part of it that is BatchDecoder.step; the rest
-    is the scheduler's own Python (sampling each row, callbacks, the loop)."""
+    is the scheduler's own Python (sampling each row, callbacks, the loop). Prompts are prefilled
+    a whole piece a turn (no share of a step's time: this measures steps, not interleaving), and
+    a turn that ran a prompt's piece is left out."""
     from ortforge.generate import TextGenerator
     from ortforge.scheduler import Job, Scheduler
 
     generator = TextGenerator(Path(folder))
     found = {}
     for rows in ROWS:
-        scheduler = Scheduler(generator, slots=rows, queue_size=rows)
+        scheduler = Scheduler(generator, slots=rows, queue_size=rows, prefill_share=1e9)
         marks: list[tuple[float, float, int]] = []  # (start, end, rows stepped) of every step
         prefills: list[float] = []
-        step, prefill = scheduler.batch.step, scheduler.batch.prefill
+        step, prefill = scheduler.batch.step, scheduler.batch.prefill_piece
 
         def timed_step(tokens, step=step, marks=marks):
             start = time.perf_counter()
@@ -167,11 +169,11 @@ def scheduler_time(folder: str, prompts: list[list[int]], new_tokens: int) -> di
             marks.append((start, time.perf_counter(), len(tokens)))
             return result
 
-        def timed_prefill(row, ids, prefill=prefill, prefills=prefills):
+        def timed_prefill(row, ids, last=False, prefill=prefill, prefills=prefills):
             prefills.append(time.perf_counter())
-            return prefill(row, ids)
+            return prefill(row, ids, last=last)
 
-        scheduler.batch.step, scheduler.batch.prefill = timed_step, timed_prefill
+        scheduler.batch.step, scheduler.batch.prefill_piece = timed_step, timed_prefill
         done = threading.Semaphore(0)
         scheduler.start()
         for row in range(rows):
