@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks import provenance  # noqa: E402
-from benchmarks.serving import TEXT, free_port, ortforge_command, started  # noqa: E402
+from benchmarks.serving import TEXT, free_port, ortforge_command, started, status_mb  # noqa: E402
 from tasks.core.files import atomic_write_json  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
@@ -40,10 +40,7 @@ MIX = ((0.40, "short stream"), (0.30, "short"), (0.20, "abandoned stream"), (0.1
 
 
 def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text(encoding="utf-8").splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+    return status_mb(pid, "VmRSS")
 
 
 def texts(folder: Path, lengths: dict[str, int]) -> dict[str, str]:

@@ -100,11 +100,16 @@ def started(command: list[str], port: int) -> subprocess.Popen:
     raise SystemExit(f"error: {command[0]} did not answer /health within 300 s")
 
 
-def peak_rss_mb(pid: int) -> float:
+def status_mb(pid: int, field: str) -> float:
+    """A memory figure of /proc/PID/status in MB (VmHWM: peak RSS, VmRSS: RSS now); NaN if absent."""
     for line in Path(f"/proc/{pid}/status").read_text(encoding="utf-8").splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def peak_rss_mb(pid: int) -> float:
+    return status_mb(pid, "VmHWM")
 
 
 def one_request(url: str, model: str, prompt: str, new_tokens: int) -> dict:
