@@ -44,13 +44,17 @@ def rss_mb(pid: int) -> float:
 
 
 def texts(folder: Path, lengths: dict[str, int]) -> dict[str, str]:
-    """Prompts of about the given token counts, cut from the evaluation text (repeated as needed)."""
+    """Prompts of about the given token counts, cut from the evaluation text (repeated as needed),
+    and "long_alone": as long as "long" but starting where it ends, so the server's prefix cache
+    cannot answer it from the long prompt sent before it."""
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
     ids = tokenizer.encode(TEXT.read_text(encoding="utf-8")).ids
-    ids = ids * (1 + max(lengths.values()) // len(ids))
-    return {name: tokenizer.decode(ids[:count]) for name, count in lengths.items()}
+    long = lengths["long"]
+    ids = ids * (1 + max(2 * long, *lengths.values()) // len(ids))
+    prompts = {name: tokenizer.decode(ids[:count]) for name, count in lengths.items()}
+    return prompts | {"long_alone": tokenizer.decode(ids[long : 2 * long])}
 
 
 def streamed(url: str, model: str, prompt: str, max_tokens: int, stop_after: int | None = None) -> dict:
@@ -104,7 +108,7 @@ def interleaving(url: str, model: str, prompts: dict[str, str], stream_tokens: i
     figures["p95_ratio_to_unloaded"] = (
         figures["inter_token_ms_p95_during_long_prefill"] / figures["unloaded_inter_token_ms_p95"]
     )
-    alone_long = streamed(url, model, prompts["long"], 8)
+    alone_long = streamed(url, model, prompts["long_alone"], 8)
     figures["long_prompt_first_token_s_alone"] = alone_long["arrivals"][0] - alone_long["start"]
     return figures
 
