@@ -4,8 +4,9 @@
 
     ortforge generate TARGET "prompt"  stream tokens from a validated variant (TARGET: its folder,
                                        or with the build side a model of params.yaml); greedy, or
-                                       sampled (--temperature, --top-k, --top-p, --seed), with
-                                       --chat through the model's chat template, --stop TEXT
+                                       sampled (--temperature, --top-k, --top-p, --seed), --stop
+                                       TEXT; through the model's chat template when it has one
+                                       (--raw: the prompt as plain text to continue)
     ortforge serve TARGET              an OpenAI-compatible server (the serve extra), batching
                                        concurrent requests
     ortforge build / status / bench / report / doctor     with the build side (flows/commands.py)
@@ -140,18 +141,39 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     folder = _validated_folder(args)
     prompt = _stdin_text() if args.prompt == "-" else _argument_text(args.prompt)
-    sampling, messages = _sampling(args), _messages(args, prompt)  # bad options stop before the model loads
+    chat = _chat_mode(args, folder)
+    sampling, messages = _sampling(args), _messages(args, prompt, chat)  # bad options stop before the model loads
     generator = TextGenerator(folder, prompt_lookup=args.prompt_lookup)
-    if args.chat:
+    if chat:
         pieces = generator.chat(messages, args.max_new_tokens, sampling, args.stop)
     else:
         pieces = generator.stream(prompt, args.max_new_tokens, sampling, args.stop)
-    print(f"[{_shown(folder)}]", file=sys.stderr)
+    said = "; the prompt is a user message through its chat template (--raw: plain text)" if chat else ""
+    print(f"[{_shown(folder)}{said}]", file=sys.stderr)
     for piece in pieces:
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
     return 0
+
+
+def _chat_mode(args: argparse.Namespace, folder: Path) -> bool:
+    """Whether the prompt goes through the chat template: by default when the model has one (an
+    instruct model answers a bare question with end-of-text at once, as llama.cpp's CLI knows);
+    --raw continues the text; --chat insists on a template."""
+    from ortforge.chat import chat_template
+
+    if args.chat and args.raw:
+        raise CliError("--chat and --raw contradict each other; drop one")
+    if args.raw:
+        return False
+    try:
+        chat_template(folder)
+    except ValueError:
+        if args.chat:
+            raise CliError(f"{_shown(folder)} has no chat template; drop --chat to continue the text") from None
+        return False  # a base model: continue the text
+    return True
 
 
 def _validated_folder(args: argparse.Namespace) -> Path:
@@ -200,15 +222,18 @@ def expected_errors() -> tuple[type[BaseException], ...]:
 
 
 def _sampling_arguments(sub: argparse.ArgumentParser) -> None:
-    group = sub.add_argument_group("sampling and chat (default: greedy, the prompt as plain text)")
+    group = sub.add_argument_group(
+        "sampling and chat (default: greedy, through the model's chat template if any)"
+    )
     group.add_argument("--temperature", type=float, default=0.0, help="above 0 samples; 0 (default) is greedy")
     group.add_argument("--top-k", type=int, default=0, metavar="K", help="sample among the K most likely tokens")
     group.add_argument("--top-p", type=float, default=1.0, metavar="P", help="sample within probability mass P")
     group.add_argument("--seed", type=int, help="the random seed: the same seed gives the same text")
     group.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R", help="above 1 penalizes repeats")
     group.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop before TEXT (repeatable)")
-    group.add_argument("--chat", action="store_true", help="the prompt is a user message, through the chat template")
-    group.add_argument("--system", metavar="TEXT", help="with --chat: a system message before it")
+    group.add_argument("--chat", action="store_true", help="require the chat template (the default when there is one)")
+    group.add_argument("--raw", action="store_true", help="the prompt as plain text to continue, no chat template")
+    group.add_argument("--system", metavar="TEXT", help="in chat: a system message before the prompt")
 
 
 def _target_arguments(sub: argparse.ArgumentParser) -> None:
@@ -269,9 +294,10 @@ def _sampling(args: argparse.Namespace):
     return Sampling(args.temperature, args.top_k, args.top_p, args.repetition_penalty, args.seed)
 
 
-def _messages(args: argparse.Namespace, prompt: str) -> list[dict]:
-    if args.system is not None and not args.chat:
-        raise CliError("--system applies to chat; add --chat")
+def _messages(args: argparse.Namespace, prompt: str, chat: bool) -> list[dict]:
+    if args.system is not None and not chat:
+        why = "drop --raw" if args.raw else "this model has no chat template"
+        raise CliError(f"--system applies to chat; {why}")
     system = [{"role": "system", "content": args.system}] if args.system is not None else []
     return [*system, {"role": "user", "content": prompt}]
 

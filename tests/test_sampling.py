@@ -4,6 +4,7 @@ template: exact on synthetic distributions, reproducible on a tiny model, refuse
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -139,6 +140,46 @@ def test_chat_renders_the_models_template_and_encodes_without_extra_special_toke
     assert reply == chat.tokenizer.decode(chat.generate_ids(chat.encode_chat(messages), 8), skip_special_tokens=True)
 
 
+def test_generate_goes_through_the_chat_template_when_the_model_has_one(built, params, tmp_path, capsys):
+    """An instruct model answers a bare question with end-of-text at once: generate applies the
+    template by default and says so; --raw continues the text; a model without one continues it."""
+    from ortforge.manifest import read_manifest, write_manifest
+    from tests.test_text_encoding import validated_project
+
+    def generate(root: Path, *options: str) -> list[str]:
+        args = ["--root", str(root), "generate", "tiny", PROMPT, "--variant", "int4", "--max-new-tokens", "10"]
+        return [*args, *options]
+
+    (tmp_path / "base").mkdir()
+    (tmp_path / "instruct").mkdir()
+    root = validated_project(built, params, tmp_path / "base")
+    assert cli.main(generate(root)) == 0  # no template: plain continuation, nothing said about chat
+    plain, err = capsys.readouterr()
+    folder = root / "artifacts" / "tiny" / "variants" / "int4"
+    assert plain == "".join(TextGenerator(folder).stream(PROMPT, 10)) + "\n" and "chat" not in err
+
+    instruct = tmp_path / "instruct-int4"  # the same weights, with a template quantize would have copied
+    shutil.copytree(built["int4"], instruct)
+    (instruct / "chat_template.jinja").write_text(CHATML, encoding="utf-8")
+    write_manifest(instruct, {k: v for k, v in read_manifest(instruct).items() if k != "files"})
+    root = validated_project({**built, "int4": instruct}, params, tmp_path / "instruct")
+    args = generate(root)
+    generator = TextGenerator(root / "artifacts" / "tiny" / "variants" / "int4")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPT}]
+    assert cli.main([*args, "--system", "Be brief."]) == 0
+    out, err = capsys.readouterr()
+    assert out == "".join(generator.chat(messages, 10)) + "\n"
+    assert "chat template (--raw: plain text)" in err and err.count("\n") == 1
+    assert cli.main([*args, "--raw"]) == 0 and capsys.readouterr().out == plain
+    for bad, message in [
+        (["--raw", "--chat"], "--chat and --raw contradict each other; drop one"),
+        (["--raw", "--system", "Be brief."], "--system applies to chat; drop --raw"),
+    ]:
+        assert cli.main([*args, *bad]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+
+
 def test_chat_refuses_a_folder_without_template_and_bad_messages(built, tmp_path):
     folder = tmp_path / "plain"
     shutil.copytree(built["fp32"], folder)
@@ -165,8 +206,8 @@ def test_generate_command_samples_reproducibly_and_refuses_bad_options(built, pa
     assert first == "".join(TextGenerator(folder).stream(PROMPT, 12, Sampling(1.2, 0, 0.9, 1.0, 5))) + "\n"
     for bad, message in [
         (["--top-p", "0.5"], "top_k and top_p apply when sampling"),
-        (["--system", "Be brief."], "--system applies to chat; add --chat"),
-        (["--chat"], "has no chat template"),
+        (["--system", "Be brief."], "--system applies to chat; this model has no chat template"),
+        (["--chat"], "has no chat template; drop --chat to continue the text"),
     ]:
         assert cli.main([*args, *bad]) == 2
         err = capsys.readouterr().err
