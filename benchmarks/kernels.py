@@ -154,9 +154,9 @@ def table(report: dict) -> str:
     rows = report["rows"]
     head = "| model (K x N) | kernel | " + " | ".join(f"us at {r} row{'s' * (r > 1)}" for r in rows)
     lines = [head + " | x at 8 rows | per row at 128 |", "|---|---|" + "---|" * (len(rows) + 2)]
-    for model, found in report["models"].items():
-        for kernel, figures in found["kernels"].items():
-            times = figures["microseconds_per_matrix"]
+    for model, found in sorted(report["models"].items(), key=lambda item: item[1]["k"] * item[1]["n"]):
+        for kernel in [k for k in KERNELS if k in found["kernels"]]:
+            times = found["kernels"][kernel]["microseconds_per_matrix"]
             eight, wide = ratio(times, 8), times.get("128")
             cells = " | ".join(f"{times[str(r)]:,.0f}" for r in rows)
             lines.append(

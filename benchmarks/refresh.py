@@ -35,6 +35,7 @@ COMMANDS = {
     "step_profile.json": "python benchmarks/step_profile.py",
     "server_soak.json": "python benchmarks/server_soak.py",
     "structured.json": "python benchmarks/structured.py",
+    "kernels.json": "python benchmarks/kernels.py",
 }
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks import continuations, provenance, refresh, scale, step_profile  # noqa: E402
+from benchmarks import continuations, kernels, provenance, refresh, scale, step_profile  # noqa: E402
 from benchmarks import structured as structured_bench  # noqa: E402
 from benchmarks.side_by_side import chain_table, quality_table, table  # noqa: E402
 from tasks.reporting import gates  # noqa: E402
@@ -352,6 +352,15 @@ def structured() -> str:
     return "\n".join([head, "", structured_bench.table(report)])
 
 
+def kernel_rows() -> str:
+    report = _json(RESULTS / "kernels.json")
+    head = (
+        f"onnxruntime {report['onnxruntime']}, {report['threads']} threads, {report['machine']['cpu']} "
+        f"({'+'.join(report['machine']['features'])}); microseconds per matrix, its weights streamed from memory:"
+    )
+    return "\n".join([head, "", kernels.table(report)])
+
+
 RENDERERS = {
     "report-smollm2-135m": lambda: report_table("smollm2-135m"),
     "summary-smollm2-135m": lambda: report_summary("smollm2-135m"),
@@ -378,6 +387,7 @@ RENDERERS = {
     "step-profile": step_profile_summary,
     "server-soak": server_soak,
     "structured": structured,
+    "kernels": kernel_rows,
 }
 
 
