@@ -32,6 +32,7 @@ class StageLines:
         self.say, self.warn, self.stage, self.started, self.message = say, warn or say, None, 0.0, ""
         self.estimates: dict[str, tuple[str, str]] = {}  # stage -> (memory needed, memory available)
         self.failed: list[str] = []  # stages that said an error, in order
+        self.interrupted = False  # Ctrl-C: the running stage did not finish
 
     def line(self, text: str) -> None:
         from flows.dvc import STAGE_STARTED
@@ -70,7 +71,10 @@ class StageLines:
     def finish(self) -> None:
         if self.stage is not None:
             elapsed = time.perf_counter() - self.started
-            message = "failed" if self.stage in self.failed else self.message or "done"
+            if self.stage in self.failed or self.interrupted:
+                message = "failed" if self.stage in self.failed else "interrupted"
+            else:
+                message = self.message or "done"
             message = message if len(message) <= MESSAGE_WIDTH else message[: MESSAGE_WIDTH - 1] + "…"
             self.say(f"{self.stage}: {message} ({elapsed:.0f} s)")
             self.stage = None
@@ -109,6 +113,9 @@ def reproduce_with_progress(root: Path, targets: list[str] | None = None, *optio
 
         try:
             ran = reproduce(root, targets, *options, echo=follow)
+        except KeyboardInterrupt:
+            stages.interrupted = True  # the stage running is not done: the finally below says so
+            raise
         except DvcFailed as error:
             if stages.failed:  # the stage's own line has been said: name it, not DVC's echo of it
                 raise DvcFailed(f"the build stopped at {', '.join(stages.failed)} (full log: {log})") from None

@@ -52,6 +52,23 @@ def test_a_refused_stage_is_one_line_and_said_to_have_failed():
     assert stages.failed == ["export@m"]
 
 
+def test_an_interrupted_stage_is_not_said_to_be_done(tmp_path, monkeypatch, capsys):
+    """Ctrl-C in the middle of a stage: its line says interrupted, and the interrupt goes on up."""
+    from flows import dvc, progress
+
+    def reproduce(root, targets, *options, echo):
+        echo("Running stage 'quantize@m-int4':")
+        echo("2026-12-01 10:00:01 __main__ INFO quantize: int4 has 12 MatMulNBits, 1.2 MB")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(dvc, "planned_stages", lambda root, targets, *options: ["quantize@m-int4"])
+    monkeypatch.setattr(dvc, "reproduce", reproduce)
+    with pytest.raises(KeyboardInterrupt):
+        progress.reproduce_with_progress(tmp_path)
+    said = capsys.readouterr().out.splitlines()
+    assert [line.rsplit(" (", 1)[0] for line in said[1:]] == ["quantize@m-int4: interrupted"], said
+
+
 def test_a_stage_killed_by_the_kernel_is_said_to_be_out_of_memory_with_its_estimate():
     said = []
     stages = StageLines(said.append)
@@ -94,3 +111,7 @@ def test_a_failed_build_names_its_log(built_clone):  # noqa: F811
     assert "error: variant int4 failed validation: kl_divergence[GPL-3.txt]" in result.stderr  # as it came
     last = result.stderr.strip().splitlines()[-1]
     assert last == f"error: the build stopped at validate@tiny-int4 (full log: {built_clone / LOG})"
+    said = (result.stdout + result.stderr).replace("\r", "\n").splitlines()
+    print("\n".join(said))
+    assert sum("failed validation" in line for line in said) == 1, said  # the stage's line, not DVC's echo too
+    assert not any(line.startswith(("ERROR:", "validate@tiny-int4: done")) for line in said), said
