@@ -20,7 +20,7 @@ import pytest
 
 from flows.dvc import BUILD_LOCK
 from ortforge.session import SessionSettings, runtime_config
-from tests.conftest import dvc, fresh_clone, set_param, tiny_params, write_params
+from tests.conftest import REPO, dvc, fresh_clone, set_param, tiny_params, write_params
 
 # bench@tiny-fp32 runs first; its measurements are what a failing run would delete.
 MEASURED = ("artifacts/tiny/variants/fp32.runtime.json", "reports/tiny/variants/fp32/bench.json")
@@ -95,6 +95,48 @@ def test_git_kept_outputs_a_failed_build_lost_come_back(built_clone):
     with measurements_kept(built_clone):  # a stage that wrote its own report keeps it
         report.write_text('{"passed": false}\n')
     assert report.read_text() == '{"passed": false}\n'
+
+
+@pytest.mark.parametrize(
+    ("key", "change"),
+    [
+        ("bench.text", lambda p: p["bench"].update(text="data/eval/no-such.txt")),
+        ("calibration.text", lambda p: p["calibration"].update(text="data/no-such.txt")),
+        (
+            "validate.eval.texts[1]",
+            lambda p: p["validate"]["eval"].update(texts=["data/eval/GPL-3.txt", "data/eval/x.c"]),
+        ),
+        ("models.tiny.source.path", lambda p: p["models"]["tiny"]["source"].update(path="no/such/folder")),
+    ],
+)
+def test_build_refuses_a_path_params_names_that_does_not_exist_before_dvc(built, tmp_path, capsys, key, change):
+    """DVC would say `[Errno 2]` (for bench.text only after reference and validate ran)."""
+    from ortforge import cli
+
+    params = tiny_params(built["hf"])
+    params.setdefault("bench", {})
+    change(params)
+    write_params(tmp_path, params)
+    shutil.copytree(REPO / "data" / "eval", tmp_path / "data" / "eval")
+    assert cli.main(["--root", str(tmp_path), "build"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: params.yaml {key}: ") and "does not exist; fix the path" in err, err
+    assert err.count("\n") == 1 and not (tmp_path / "logs").exists()  # DVC never started
+
+
+def test_a_killed_builds_copies_of_kept_measurements_go_at_the_next_build(tmp_path):
+    """kill -9 runs no cleanup: the next build removes the dead build's temp folder, not a live one's."""
+    from flows.preflight import KEPT_PREFIX, remove_dead_builds_copies
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    killed = tmp_path / f"{KEPT_PREFIX}{dead.stdout.strip()}-x1y2"
+    live = tmp_path / f"{KEPT_PREFIX}{os.getpid()}-a3b4"
+    unrelated = tmp_path / f"{KEPT_PREFIX}notapid"
+    for folder in (killed, live, unrelated):
+        folder.mkdir()
+        (folder / "0").write_text("a kept bench.json\n")
+    assert remove_dead_builds_copies(tmp_path) == [killed]
+    assert not killed.exists() and live.is_dir() and unrelated.is_dir()
 
 
 @pytest.mark.e2e
