@@ -1,0 +1,319 @@
+"""Fast together, side by side: ortforge's continuous-batching scheduler against OpenVINO GenAI's
+ContinuousBatchingPipeline on the same CPU with the same token ids, both in-process (no HTTP:
+benchmarks/serving.py measures the server), each engine and concurrency level in a fresh process,
+interleaved over rounds. ortforge's int4 and int8 run with their tuned settings; OpenVINO GenAI's
+exports of the same HF folder (int4 group 32, int8) at its CPU defaults (bf16 activations, u8 KV
+cache and dynamic int8 activations where the CPU has them) and in f32 mode.
+
+The workload (issue 23): per stream, --requests requests one after another, each --prompt-tokens
+of the bench text from its own offset (no shared prefix), --new-tokens greedy tokens; plus each
+engine's batch-1 first token for a --prompt-tokens and a --long-prompt prompt. Quality beside
+speed: ortforge's from its validate.json, OpenVINO's scored here on validate's texts against the
+same PyTorch reference (its CPU defaults; f32 mode not scored).
+
+    python benchmarks/load_peers.py [--model smollm2-135m] [--streams 1,4,8] [--rounds 2]
+
+Needs `dvc repro` first and OpenVINO GenAI's venv (benchmarks/peers/setup_openvino.sh). Writes
+benchmarks/results/load_peers.json and load_peers.png, and prints the table and the goals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks import provenance  # noqa: E402
+from benchmarks.peers import openvino_peer  # noqa: E402
+from benchmarks.side_by_side import CACHE, quality  # noqa: E402
+from tasks.core import paths  # noqa: E402
+from tasks.core.files import atomic_write_json  # noqa: E402
+
+RESULTS = REPO / "benchmarks" / "results"
+VARIANTS = ("int4", "int8")
+PRECISIONS = {"CPU defaults": "default", "f32": "f32"}
+FIGURES = (
+    "aggregate_tokens_per_second",
+    "seconds_to_first_token_p50",
+    "seconds_to_first_token_p95",
+    "inter_token_ms_p50",
+    "inter_token_ms_p95",
+    "peak_rss_mb",
+)
+
+
+def engines(model: str) -> dict[str, dict]:
+    """ortforge's variants and OpenVINO GenAI's exports of the same HF folder, in both modes."""
+    found = {}
+    for variant in VARIANTS:
+        folder = paths.variant_dir(model, variant)
+        session = json.loads((folder.parent / f"{variant}.runtime.json").read_text(encoding="utf-8"))["session"]
+        found[f"ortforge {variant}"] = {"kind": "ort", "path": str(folder), "session": session, "variant": variant}
+    for variant in VARIANTS:
+        built = openvino_peer.build(
+            openvino_peer.PYTHON, paths.hf_dir(model), CACHE / model / f"openvino-{variant}", variant
+        )
+        for mode, precision in PRECISIONS.items():
+            found[f"OpenVINO GenAI {openvino_peer.recipe(variant)} ({mode})"] = {
+                "kind": "openvino",
+                "path": str(built),
+                "python": str(openvino_peer.PYTHON),
+                "precision": precision,
+                "variant": variant,
+            }
+    return found
+
+
+def token_ids(model: str) -> list[int]:
+    from tokenizers import Tokenizer
+
+    from tasks.core.params import load_params
+
+    text = REPO / load_params(REPO / paths.PARAMS).bench.text
+    tokenizer = Tokenizer.from_file(str(paths.variant_dir(model, VARIANTS[0]) / "tokenizer.json"))
+    return tokenizer.encode(text.read_text(encoding="utf-8")).ids
+
+
+def stream_prompts(ids: list[int], streams: int, requests: int, tokens: int) -> list[list[list[int]]]:
+    """Per stream, its requests' prompts: consecutive slices of the text, so no two share a prefix."""
+    count = streams * requests
+    if len(ids) < tokens * (count + 1):
+        raise SystemExit(f"error: the bench text has {len(ids)} tokens; {count} prompts of {tokens} need more")
+    slices = [ids[(i + 1) * tokens : (i + 2) * tokens] for i in range(count)]
+    return [slices[s * requests : (s + 1) * requests] for s in range(streams)]
+
+
+def under_load(spec: dict, prompts: list[list[list[int]]], new_tokens: int, scratch: Path) -> dict:
+    """One engine's figures for these streams, in fresh processes, in one vocabulary."""
+    if spec["kind"] == "ort":
+        from tasks.measurement import concurrency
+        from tasks.measurement.timing import in_fresh_process
+
+        found = in_fresh_process(concurrency.measure_load, spec["path"], prompts, new_tokens, spec["session"], 0)
+        return {name: found[name] for name in FIGURES}
+    options = ["--new-tokens", str(new_tokens), "--precision", spec["precision"]]
+    found = openvino_peer.run(Path(spec["python"]), Path(spec["path"]), "load", prompts, scratch, options)
+    first = found["first_token_s"]
+    return {
+        "aggregate_tokens_per_second": found["tokens_per_s"],
+        "seconds_to_first_token_p50": float(np.percentile(first, 50)),
+        "seconds_to_first_token_p95": float(np.percentile(first, 95)),
+        "inter_token_ms_p50": found["inter_token_ms_p50"],
+        "inter_token_ms_p95": found["inter_token_ms_p95"],
+        "peak_rss_mb": found["peak_rss_mb"],
+    }
+
+
+def first_token(spec: dict, prompt: list[int], scratch: Path, repeats: int = 3) -> float:
+    """Batch-1 seconds to the first token of prompt (median of repeats after a warm-up)."""
+    if spec["kind"] == "ort":
+        from benchmarks import engines as measured
+        from tasks.measurement.timing import in_fresh_process
+
+        found = in_fresh_process(
+            measured.measure, {"kind": "ort", "path": spec["path"], "tuned": True}, prompt, 2, 1, repeats
+        )
+    else:
+        options = ["--new-tokens", "2", "--warmup", "1", "--repeats", str(repeats), "--precision", spec["precision"]]
+        found = openvino_peer.run(Path(spec["python"]), Path(spec["path"]), "generate", prompt, scratch, options)
+    return float(np.median(found["first_token_s"]))
+
+
+def medians(runs: list[dict]) -> dict:
+    return {name: float(np.median([run[name] for run in runs])) for name in FIGURES} | {"rounds": len(runs)}
+
+
+def measure(specs: dict[str, dict], ids: list[int], args) -> dict:
+    levels = [int(s) for s in args.streams.split(",")]
+    load: dict[str, dict[str, list]] = {name: {str(s): [] for s in levels} for name in specs}
+    prefill: dict[str, dict[str, list]] = {
+        name: {str(args.prompt_tokens): [], str(args.long_prompt): []} for name in specs
+    }
+    with tempfile.TemporaryDirectory(prefix="ortforge-load-peers-") as scratch:
+        for round_index in range(args.rounds):
+            for streams in levels:
+                prompts = stream_prompts(ids, streams, args.requests, args.prompt_tokens)
+                for name, spec in specs.items():
+                    figures = under_load(spec, prompts, args.new_tokens, Path(scratch))
+                    load[name][str(streams)].append(figures)
+                    print(
+                        f"  round {round_index + 1}, {streams} stream(s), {name}: "
+                        f"{figures['aggregate_tokens_per_second']:.1f} tok/s, first token p95 "
+                        f"{figures['seconds_to_first_token_p95'] * 1e3:.0f} ms",
+                        flush=True,
+                    )
+            for tokens in prefill[next(iter(specs))]:
+                for name, spec in specs.items():
+                    prefill[name][tokens].append(first_token(spec, ids[: int(tokens)], Path(scratch)))
+    return {
+        name: {
+            "load": {s: medians(runs) for s, runs in load[name].items()},
+            "first_token_seconds": {t: float(np.median(v)) for t, v in prefill[name].items()},
+        }
+        for name in specs
+    }
+
+
+# ---- what the results say (scripts/readme_figures.py fills the README from these)
+
+
+def ordered(report: dict) -> list[tuple[str, dict]]:
+    """ortforge's rows first (the file's keys are sorted, and "O" sorts before "o")."""
+    return sorted(report["engines"].items(), key=lambda item: (not item[0].startswith("ortforge"), item[0]))
+
+
+def levels(found: dict) -> list[str]:
+    return sorted(found["load"], key=int)
+
+
+def table(report: dict) -> str:
+    lines = [
+        "| engine | ppl ratio | streams | aggregate tok/s | x its 1 stream | first token ms p50 / p95 "
+        "| inter-token ms p50 / p95 | peak RSS MB |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, found in ordered(report):
+        ppl = found.get("quality", {}).get("ppl_ratio")
+        one = found["load"].get("1", {}).get("aggregate_tokens_per_second")
+        for streams in levels(found):
+            f = found["load"][streams]
+            scale = f"{f['aggregate_tokens_per_second'] / one:.2f}" if one else "-"
+            quality_cell = "-" if ppl is None else f"{ppl:.3f}"
+            first = f"{f['seconds_to_first_token_p50'] * 1e3:.0f} / {f['seconds_to_first_token_p95'] * 1e3:.0f}"
+            gaps = f"{f['inter_token_ms_p50']:.1f} / {f['inter_token_ms_p95']:.1f}"
+            lines.append(
+                f"| {name} | {quality_cell} | {streams} | {f['aggregate_tokens_per_second']:.1f} | {scale} "
+                f"| {first} | {gaps} | {f['peak_rss_mb']:.0f} |"
+            )
+    return "\n".join(lines)
+
+
+def prefill_table(report: dict) -> str:
+    lengths = sorted(next(iter(report["engines"].values()))["first_token_seconds"], key=int)
+    lines = ["| engine | " + " | ".join(f"first token ms, {t} tokens" for t in lengths) + " |"]
+    lines.append("|---|" + "---|" * len(lengths))
+    for name, found in ordered(report):
+        cells = " | ".join(f"{found['first_token_seconds'][t] * 1e3:.0f}" for t in lengths)
+        lines.append(f"| {name} | {cells} |")
+    return "\n".join(lines)
+
+
+def goals(report: dict) -> list[str]:
+    """Issue 23's goals, each met or not, from this run."""
+    engines_found, most = dict(ordered(report)), str(max(int(s) for s in report["streams"]))
+    budget = report["int4_ppl_budget"]
+
+    def at(name: str, streams: str = most) -> dict:
+        return engines_found[name]["load"][streams]
+
+    said = []
+    peers = {n: f for n, f in engines_found.items() if n.startswith("OpenVINO") and "(CPU defaults)" in n}
+    within = {n: f for n, f in peers.items() if f.get("quality", {}).get("ppl_ratio", np.inf) <= budget}
+    for ours, theirs_pool, label in (
+        ("ortforge int4", within, f"OpenVINO GenAI's best within our int4 budget (ppl ratio <= {budget})"),
+        ("ortforge int8", {n: f for n, f in peers.items() if "int8" in n}, "OpenVINO GenAI int8"),
+    ):
+        if ours not in engines_found or not theirs_pool:
+            said.append(f"{ours} at {most} streams against {label}: no such peer in this run")
+            continue
+        best = max(theirs_pool, key=lambda n: at(n)["aggregate_tokens_per_second"])
+        ratio = at(ours)["aggregate_tokens_per_second"] / at(best)["aggregate_tokens_per_second"]
+        p95, their_p95 = at(ours)["seconds_to_first_token_p95"], at(best)["seconds_to_first_token_p95"]
+        said.append(
+            f"{ours} at {most} streams: x{ratio:.2f} the throughput of {best} (goal x1.2: "
+            f"{'met' if ratio >= 1.2 else 'not met'}), first token p95 {p95 * 1e3:.0f} ms against "
+            f"{their_p95 * 1e3:.0f} ms (goal no worse: {'met' if p95 <= their_p95 else 'not met'})"
+        )
+    for ours in (n for n in engines_found if n.startswith("ortforge")):
+        gain = at(ours)["aggregate_tokens_per_second"] / at(ours, "1")["aggregate_tokens_per_second"]
+        spread = at(ours)["inter_token_ms_p95"] / at(ours, "1")["inter_token_ms_p95"]
+        said.append(
+            f"{ours}, {most} streams against 1: throughput x{gain:.2f} (goal x4: {'met' if gain >= 4 else 'not met'}), "
+            f"p95 inter-token x{spread:.2f} (goal at most x3: {'met' if spread <= 3 else 'not met'})"
+        )
+    short = str(report["prompt_tokens"])
+    for variant in VARIANTS:
+        ours = engines_found.get(f"ortforge {variant}")
+        theirs = next((f for n, f in peers.items() if variant in n), None)
+        if ours and theirs:
+            mine, peer = ours["first_token_seconds"][short], theirs["first_token_seconds"][short]
+            said.append(
+                f"first token, {short} tokens, batch 1: ortforge {variant} {mine * 1e3:.0f} ms against OpenVINO GenAI "
+                f"{variant} {peer * 1e3:.0f} ms (goal no slower: {'met' if mine <= peer else 'not met'})"
+            )
+    return said
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (throughput, first) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, found in ordered(report):
+        x, runs = [int(s) for s in levels(found)], [found["load"][s] for s in levels(found)]
+        style = "o-" if name.startswith("ortforge") else "s--"
+        throughput.plot(x, [f["aggregate_tokens_per_second"] for f in runs], style, label=name)
+        first.plot(x, [f["seconds_to_first_token_p95"] * 1e3 for f in runs], style, label=name)
+    throughput.set(xlabel="concurrent streams", ylabel="aggregate tokens/s", title="throughput")
+    first.set(xlabel="concurrent streams", ylabel="first token p95, ms", title="first token under load")
+    throughput.legend(fontsize=7)
+    figure.suptitle(f"{report['model']}: ortforge against OpenVINO GenAI, in-process, {report['cpus']} cores")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--streams", default="1,4,8")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=2, help="requests each stream sends in turn")
+    parser.add_argument("--long-prompt", type=int, default=2048, help="a long prompt's batch-1 first token")
+    args = parser.parse_args(argv)
+    if not openvino_peer.installed():
+        raise SystemExit(f"error: OpenVINO GenAI's venv is missing; run bash {openvino_peer.SETUP} (about 5 minutes)")
+    if "1" not in args.streams.split(","):
+        raise SystemExit("error: --streams must include 1 (scaling is against one stream)")
+    measured = provenance.model_outputs(args.model, VARIANTS)
+    provenance.require_current(measured)
+    from tasks.core.params import load_params
+
+    specs = engines(args.model)
+    peers = {"openvino-genai": openvino_peer.version(openvino_peer.PYTHON)}
+    report = {
+        "provenance": provenance.record(provenance.command("load_peers.py", argv), measured, peers),
+        "model": args.model,
+        "cpus": os.cpu_count(),
+        "streams": args.streams.split(","),
+        "prompt_tokens": args.prompt_tokens,
+        "new_tokens": args.new_tokens,
+        "requests_per_stream": args.requests,
+        "rounds": args.rounds,
+        "int4_ppl_budget": load_params(REPO / paths.PARAMS).validation.thresholds["int4"].ppl_ratio,
+        "engines": measure(specs, token_ids(args.model), args),
+    }
+    defaults = {n: s for n, s in specs.items() if s["kind"] == "ort" or s["precision"] == "default"}
+    for name, found in quality(args.model, defaults).items():
+        report["engines"][name]["quality"] = found
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(RESULTS / "load_peers.json", report)
+    plot(report, RESULTS / "load_peers.png")
+    print(table(report), prefill_table(report), "\n".join(f"- {line}" for line in goals(report)), sep="\n\n")
+    print(f"wrote {RESULTS / 'load_peers.json'} and load_peers.png")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
