@@ -36,6 +36,7 @@ COMMANDS = {
     "server_soak.json": "python benchmarks/server_soak.py",
     "structured.json": "python benchmarks/structured.py",
     "kernels.json": "python benchmarks/kernels.py",
+    "load_peers.json": "python benchmarks/load_peers.py",
 }
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks import continuations, kernels, provenance, refresh, scale, step_profile  # noqa: E402
+from benchmarks import continuations, kernels, load_peers, provenance, refresh, scale, step_profile  # noqa: E402
 from benchmarks import structured as structured_bench  # noqa: E402
 from benchmarks.side_by_side import chain_table, quality_table, table  # noqa: E402
 from tasks.reporting import gates  # noqa: E402
@@ -361,6 +361,19 @@ def kernel_rows() -> str:
     return "\n".join([head, "", kernels.table(report)])
 
 
+def load_peers_tables() -> str:
+    report = _json(RESULTS / "load_peers.json")
+    head = (
+        f"{report['model']}, {report['prompt_tokens']}-token prompts sharing no prefix, {report['new_tokens']} new "
+        f"tokens, greedy, {report['requests_per_stream']} requests per stream, both engines in-process, medians of "
+        f"{report['rounds']} interleaved rounds, {report['cpus']} cores, OpenVINO GenAI "
+        f"{report['provenance']['peers']['openvino-genai']}; ppl ratio on validate's texts against the same PyTorch "
+        "reference (OpenVINO's f32 mode not scored):"
+    )
+    first = "Batch-1 first token (prefill), same run:"
+    return "\n".join([head, "", load_peers.table(report), "", first, "", load_peers.prefill_table(report)])
+
+
 RENDERERS = {
     "report-smollm2-135m": lambda: report_table("smollm2-135m"),
     "summary-smollm2-135m": lambda: report_summary("smollm2-135m"),
@@ -388,6 +401,8 @@ RENDERERS = {
     "server-soak": server_soak,
     "structured": structured,
     "kernels": kernel_rows,
+    "load-peers": load_peers_tables,
+    "load-peers-goals": lambda: "\n".join(f"- {g}" for g in load_peers.goals(_json(RESULTS / "load_peers.json"))),
 }
 
 
