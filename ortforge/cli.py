@@ -222,9 +222,7 @@ def expected_errors() -> tuple[type[BaseException], ...]:
 
 
 def _sampling_arguments(sub: argparse.ArgumentParser) -> None:
-    group = sub.add_argument_group(
-        "sampling and chat (default: greedy, through the model's chat template if any)"
-    )
+    group = sub.add_argument_group("sampling and chat (default: greedy, through the model's chat template if any)")
     group.add_argument("--temperature", type=float, default=0.0, help="above 0 samples; 0 (default) is greedy")
     group.add_argument("--top-k", type=int, default=0, metavar="K", help="sample among the K most likely tokens")
     group.add_argument("--top-p", type=float, default=1.0, metavar="P", help="sample within probability mass P")
