@@ -36,6 +36,7 @@ from benchmarks.peers import openvino_peer  # noqa: E402
 from benchmarks.side_by_side import CACHE, quality  # noqa: E402
 from tasks.core import paths  # noqa: E402
 from tasks.core.files import atomic_write_json  # noqa: E402
+from tasks.reporting.load import figure_cells, levels  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 VARIANTS = ("int4", "int8")
@@ -132,14 +133,14 @@ def medians(runs: list[dict]) -> dict:
 
 
 def measure(specs: dict[str, dict], ids: list[int], args) -> dict:
-    levels = [int(s) for s in args.streams.split(",")]
-    load: dict[str, dict[str, list]] = {name: {str(s): [] for s in levels} for name in specs}
+    stream_counts = [int(s) for s in args.streams.split(",")]
+    load: dict[str, dict[str, list]] = {name: {str(s): [] for s in stream_counts} for name in specs}
     prefill: dict[str, dict[str, list]] = {
         name: {str(args.prompt_tokens): [], str(args.long_prompt): []} for name in specs
     }
     with tempfile.TemporaryDirectory(prefix="ortforge-load-peers-") as scratch:
         for round_index in range(args.rounds):
-            for streams in levels:
+            for streams in stream_counts:
                 prompts = stream_prompts(ids, streams, args.requests, args.prompt_tokens)
                 for name, spec in specs.items():
                     figures = under_load(spec, prompts, args.new_tokens, Path(scratch))
@@ -170,10 +171,6 @@ def ordered(report: dict) -> list[tuple[str, dict]]:
     return sorted(report["engines"].items(), key=lambda item: (not item[0].startswith("ortforge"), item[0]))
 
 
-def levels(found: dict) -> list[str]:
-    return sorted(found["load"], key=int)
-
-
 def table(report: dict) -> str:
     lines = [
         "| engine | ppl ratio | streams | aggregate tok/s | x its 1 stream | first token ms p50 / p95 "
@@ -183,16 +180,9 @@ def table(report: dict) -> str:
     for name, found in ordered(report):
         ppl = found.get("quality", {}).get("ppl_ratio")
         one = found["load"].get("1", {}).get("aggregate_tokens_per_second")
-        for streams in levels(found):
-            f = found["load"][streams]
-            scale = f"{f['aggregate_tokens_per_second'] / one:.2f}" if one else "-"
-            quality_cell = "-" if ppl is None else f"{ppl:.3f}"
-            first = f"{f['seconds_to_first_token_p50'] * 1e3:.0f} / {f['seconds_to_first_token_p95'] * 1e3:.0f}"
-            gaps = f"{f['inter_token_ms_p50']:.1f} / {f['inter_token_ms_p95']:.1f}"
-            lines.append(
-                f"| {name} | {quality_cell} | {streams} | {f['aggregate_tokens_per_second']:.1f} | {scale} "
-                f"| {first} | {gaps} | {f['peak_rss_mb']:.0f} |"
-            )
+        quality_cell = "-" if ppl is None else f"{ppl:.3f}"
+        for streams in levels(found["load"]):
+            lines.append(f"| {name} | {quality_cell} | {streams} | {figure_cells(found['load'][streams], one)} |")
     return "\n".join(lines)
 
 
@@ -260,7 +250,8 @@ def plot(report: dict, path: Path) -> None:
 
     figure, (throughput, first) = plt.subplots(1, 2, figsize=(11, 4))
     for name, found in ordered(report):
-        x, runs = [int(s) for s in levels(found)], [found["load"][s] for s in levels(found)]
+        streams = levels(found["load"])
+        x, runs = [int(s) for s in streams], [found["load"][s] for s in streams]
         style = "o-" if name.startswith("ortforge") else "s--"
         throughput.plot(x, [f["aggregate_tokens_per_second"] for f in runs], style, label=name)
         first.plot(x, [f["seconds_to_first_token_p95"] * 1e3 for f in runs], style, label=name)

@@ -71,8 +71,10 @@ class StageLines:
     def finish(self) -> None:
         if self.stage is not None:
             elapsed = time.perf_counter() - self.started
-            if self.stage in self.failed or self.interrupted:
-                message = "failed" if self.stage in self.failed else "interrupted"
+            if self.stage in self.failed:
+                message = "failed"
+            elif self.interrupted:
+                message = "interrupted"
             else:
                 message = self.message or "done"
             message = message if len(message) <= MESSAGE_WIDTH else message[: MESSAGE_WIDTH - 1] + "…"
