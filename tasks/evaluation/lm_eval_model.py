@@ -1,8 +1,9 @@
 """lm-eval's model interface over an ortforge artifact: any lm-eval task runs on a built variant.
 
-    lm_eval --model ortforge --model_args artifact=artifacts/<model>/variants/<variant> --tasks ...
+    lm_eval.simple_evaluate(model=ArtifactLM("artifacts/<model>/variants/<variant>"), tasks=[...])
 
-or `simple_evaluate(model=ArtifactLM(folder), tasks=[...])`. The artifact runs through the runtime
+(importing this module also registers it with lm-eval as "ortforge": model="ortforge",
+model_args="artifact=<folder>"). The artifact runs through the runtime
 (ortforge.generate.TextGenerator, with the settings bench measured for it), so a task scores what
 `ortforge generate` and `ortforge serve` deploy. Log-likelihoods prefill the context once (its last
 position's logits only) and score each continuation from that cache, so the logits held are one

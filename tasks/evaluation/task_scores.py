@@ -65,7 +65,8 @@ def wilson(successes: int, count: int, z: float = Z_95) -> Score:
     denominator = 1 + z * z / count
     centre = (share + z * z / (2 * count)) / denominator
     half = z * math.sqrt(share * (1 - share) / count + z * z / (4 * count * count)) / denominator
-    return Score(share, count, max(0.0, centre - half), min(1.0, centre + half), "wilson")
+    # At 0 or 1 the bounds meet the share only up to rounding: hold them to it exactly.
+    return Score(share, count, min(share, max(0.0, centre - half)), max(share, min(1.0, centre + half)), "wilson")
 
 
 def share(flags: Sequence[bool]) -> Score:
