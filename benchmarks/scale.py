@@ -40,6 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks import engines, provenance, random_models  # noqa: E402
+from benchmarks.load_peers import stream_prompts  # noqa: E402
 from benchmarks.peers import openvino_peer  # noqa: E402
 from benchmarks.side_by_side import memory_bandwidth_gb_s  # noqa: E402
 from flows.cache_links import disk_bytes  # noqa: E402
@@ -217,8 +218,7 @@ def prompts(source: Path) -> tuple[list[int], list[list[list[int]]]]:
     params = yaml.safe_load((REPO / "params.yaml").read_text(encoding="utf-8"))
     text = params["bench"].get("text", "data/eval/GPL-3.txt")
     ids = Tokenizer.from_file(str(source / "tokenizer.json")).encode((REPO / text).read_text(encoding="utf-8")).ids
-    slices = [ids[i * PROMPT_TOKENS : (i + 1) * PROMPT_TOKENS] for i in range(1, 1 + STREAMS * REQUESTS)]
-    return ids[:PROMPT_TOKENS], [slices[s * REQUESTS : (s + 1) * REQUESTS] for s in range(STREAMS)]
+    return ids[:PROMPT_TOKENS], stream_prompts(ids, STREAMS, REQUESTS, PROMPT_TOKENS)
 
 
 def openvino_run(python: Path, model: Path, command: str, data, scratch: Path) -> dict:
