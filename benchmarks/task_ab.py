@@ -83,6 +83,13 @@ def _difference(found: dict) -> str:
     return f"{sign}{100 * difference['value']:.0f}{' (noise)' if difference['within_noise'] else ''}"
 
 
+def shown_order(report: dict) -> list[str]:
+    """The reference, then the variants in params.yaml's order (the result file's keys are sorted)."""
+    measured = report["variants"]
+    listed = [v for v in built_variants(report["model"]) if v in measured and v != report["reference"]]
+    return [report["reference"], *listed, *sorted(set(measured) - set(listed) - {report["reference"]})]
+
+
 def table(report: dict) -> str:
     """One row per variant: perplexity beside each set's score, its interval, its difference from
     the reference (points; "noise" when the interval holds 0) and agreement, and the task gate."""
@@ -93,7 +100,8 @@ def table(report: dict) -> str:
         f"| vs reference | same choice | {instruct}: ROUGE-L to reference | task gate |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for variant, entry in report["variants"].items():
+    for variant in shown_order(report):
+        entry = report["variants"][variant]
         tasks = entry["tasks"]
         ratio = "" if entry["ppl_ratio"] is None else f"x{entry['ppl_ratio']:.3f}"
         rouge = tasks[instruct]["rouge_l_to_reference"]

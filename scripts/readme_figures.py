@@ -23,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks import continuations, kernels, load_peers, provenance, refresh, scale, step_profile  # noqa: E402
+from benchmarks import continuations, kernels, load_peers, provenance, refresh, scale, step_profile, task_ab  # noqa: E402
 from benchmarks import structured as structured_bench  # noqa: E402
 from benchmarks.side_by_side import chain_table, quality_table, table  # noqa: E402
 from tasks.reporting import gates  # noqa: E402
@@ -402,6 +402,8 @@ RENDERERS = {
     "structured": structured,
     "kernels": kernel_rows,
     "load-peers": load_peers_tables,
+    "task-ab-smollm2-135m": lambda: task_ab.table(_json(task_ab.result_file("smollm2-135m"))),
+    "task-ab-gemma3-270m": lambda: task_ab.table(_json(task_ab.result_file("gemma3-270m"))),
     "load-peers-goals": lambda: "\n".join(f"- {g}" for g in load_peers.goals(_json(RESULTS / "load_peers.json"))),
 }
 
