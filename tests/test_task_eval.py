@@ -32,13 +32,13 @@ def lm(built):
 
 def full_pass_score(lm, context: str, continuation: str) -> float:
     """The continuation's log-likelihood from one pass over the whole text (no cache reuse)."""
-    from tasks.evaluation.lm_eval_model import log_softmax
+    from tasks.evaluation.metrics import log_softmax
 
     context_ids, continuation_ids = lm.encode_pair(context, continuation)
     ids = context_ids + continuation_ids
     decoder = lm.generator.decoder
     logits, _ = decoder.forward(ids[:-1], decoder.empty_cache())
-    rows = log_softmax(logits[len(context_ids) - 1 :])
+    rows = log_softmax(logits[len(context_ids) - 1 :].astype(np.float64))
     return float(rows[np.arange(len(continuation_ids)), continuation_ids].sum())
 
 
@@ -78,10 +78,10 @@ def test_loglikelihood_rolling_scores_every_token_of_a_text(lm):
     ids = lm.encode_plain(text)
     prefix = lm.prefix_ids()
     decoder = lm.generator.decoder
-    from tasks.evaluation.lm_eval_model import log_softmax
+    from tasks.evaluation.metrics import log_softmax
 
     logits, _ = decoder.forward(prefix + ids[:-1], decoder.empty_cache())
-    rows = log_softmax(logits[len(prefix) - 1 :])
+    rows = log_softmax(logits[len(prefix) - 1 :].astype(np.float64))
     assert total == pytest.approx(float(rows[np.arange(len(ids)), ids].sum()), abs=1e-3)
 
 

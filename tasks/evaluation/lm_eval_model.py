@@ -23,21 +23,16 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from ortforge import chat
 from ortforge.generate import GREEDY
 from ortforge.sampling import Sampling
+from tasks.evaluation.metrics import log_softmax
 
 DEFAULT_MAX_GEN_TOKS = 256
 
 
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """Row-wise log-probabilities, in float64 so a long continuation's sum keeps its precision."""
-    logits = logits.astype(np.float64)
-    shifted = logits - logits.max(axis=-1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
-
-
 def continuation_score(logits: np.ndarray, tokens: list[int]) -> tuple[float, bool]:
     """(sum of the tokens' log-probabilities, whether each was the most likely) given logits whose
-    row i predicts tokens[i]: lm-eval's loglikelihood answer."""
-    rows = log_softmax(logits)
+    row i predicts tokens[i]: lm-eval's loglikelihood answer. In float64, so a long continuation's
+    sum keeps its precision."""
+    rows = log_softmax(logits.astype(np.float64))
     picked = rows[np.arange(len(tokens)), tokens]
     return float(picked.sum()), bool(np.all(rows.argmax(axis=-1) == np.asarray(tokens)))
 

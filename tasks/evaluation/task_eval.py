@@ -79,7 +79,7 @@ def answers(folder: Path, sets: list[TaskSet]) -> dict[str, dict[str, object]]:
             verbosity="WARNING",
         )
         for task in group:
-            samples = sorted(results["samples"][f"ortforge_{task.name}"], key=lambda sample: sample["doc_id"])
+            samples = sorted(results["samples"][task.lm_eval_name], key=lambda sample: sample["doc_id"])
             found[task.name] = {sample["doc"]["id"]: _answer(task, sample) for sample in samples}
     return found
 

@@ -74,6 +74,11 @@ class TaskSet:
     rows: tuple[_Row, ...]
 
     @property
+    def lm_eval_name(self) -> str:
+        """The set's task name in lm-eval (its results and samples are keyed by it)."""
+        return f"ortforge_{self.name}"
+
+    @property
     def generated(self) -> bool:
         return self.kind != "choice"
 
@@ -83,7 +88,7 @@ class TaskSet:
         chat: the prompt goes through the model's chat template (simple_evaluate's
         apply_chat_template), so it is the bare question; without one a plain prompt asks for it."""
         config = {
-            "task": f"ortforge_{self.name}",
+            "task": self.lm_eval_name,
             "dataset_path": "json",
             "dataset_kwargs": {"data_files": {"test": str(self.path.resolve())}},
             "test_split": "test",
