@@ -86,7 +86,9 @@ def _difference(found: dict) -> str:
 def shown_order(report: dict) -> list[str]:
     """The reference, then the variants in params.yaml's order (the result file's keys are sorted)."""
     measured = report["variants"]
-    listed = [v for v in built_variants(report["model"]) if v in measured and v != report["reference"]]
+    # params.yaml's order, not what is built here: the README renders the same on a fresh clone
+    in_params = [b.variant for b in load_params(REPO / "params.yaml").builds.values() if b.model == report["model"]]
+    listed = [v for v in in_params if v in measured and v != report["reference"]]
     return [report["reference"], *listed, *sorted(set(measured) - set(listed) - {report["reference"]})]
 
 

@@ -17,6 +17,13 @@ def test_readme_figures_equal_their_result_files():
     assert readme_figures.render(text) == text, "run python scripts/readme_figures.py"
 
 
+def test_readme_figures_do_not_depend_on_what_is_built_here(monkeypatch, tmp_path):
+    """CI renders on a fresh clone with no artifacts: a figure block must come from committed files only."""
+    monkeypatch.chdir(tmp_path)  # artifacts/ and reports/ are relative paths: none exist here
+    text = readme_figures.README.read_text(encoding="utf-8")
+    assert readme_figures.render(text) == text
+
+
 def test_every_renderer_has_a_block_and_every_block_a_renderer():
     text = readme_figures.README.read_text(encoding="utf-8")
     assert sorted(m["name"] for m in readme_figures.BLOCK.finditer(text)) == sorted(readme_figures.RENDERERS)
