@@ -87,7 +87,7 @@ def shown_order(report: dict) -> list[str]:
     """The reference, then the variants in params.yaml's order (the result file's keys are sorted)."""
     measured = report["variants"]
     # params.yaml's order, not what is built here: the README renders the same on a fresh clone
-    in_params = [b.variant for b in load_params(REPO / "params.yaml").builds.values() if b.model == report["model"]]
+    in_params = load_params(REPO / "params.yaml").variants_of(report["model"])
     listed = [v for v in in_params if v in measured and v != report["reference"]]
     return [report["reference"], *listed, *sorted(set(measured) - set(listed) - {report["reference"]})]
 
