@@ -78,14 +78,56 @@ CONFIGS: dict[str, dict] = {
     "llama-3.2-1b": llama3(hidden=2048, ffn=8192, layers=16, heads=32, head_dim=64, tied=True, rope_factor=32.0),
     "llama-3.2-3b": llama3(hidden=3072, ffn=8192, layers=28, heads=24, head_dim=128, tied=True, rope_factor=32.0),
     "llama-3.1-8b": llama3(hidden=4096, ffn=14336, layers=32, heads=32, head_dim=128, tied=False, rope_factor=8.0),
+    # 30.5B parameters, 3.3B active: 128 experts of 768 per layer, 8 routed per token.
+    "qwen3-30b-a3b": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "max_position_embeddings": 40960,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-06,
+        "tie_word_embeddings": False,
+        "vocab_size": 151936,
+        "hidden_act": "silu",
+        "attention_bias": False,
+    },
 }
 SHARD_BYTES = 5_000_000_000
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 STD = 0.02
 
 
+def mlp_shapes(stem: str, hidden: int, ffn: int) -> dict[str, tuple[int, ...]]:
+    return {
+        f"{stem}.gate_proj.weight": (ffn, hidden),
+        f"{stem}.up_proj.weight": (ffn, hidden),
+        f"{stem}.down_proj.weight": (hidden, ffn),
+    }
+
+
+def sparse_layer(config: dict, index: int) -> bool:
+    """Whether a Qwen-MoE layer routes to experts (else a dense MLP), as transformers decides."""
+    return (
+        config.get("num_experts", 0) > 0
+        and index not in config.get("mlp_only_layers", [])
+        and (index + 1) % config.get("decoder_sparse_step", 1) == 0
+    )
+
+
 def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """Every tensor a LLaMA-style checkpoint (Llama, Qwen2, Mistral) holds, in the Hub's names and order."""
+    """Every tensor a LLaMA-style checkpoint (Llama, Qwen2, Qwen3, Mistral, Qwen3-MoE) holds, in the
+    Hub's names and order."""
     hidden, ffn, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or hidden // heads
@@ -100,10 +142,15 @@ def tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
             f"{stem}.self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
             f"{stem}.self_attn.o_proj.weight": (hidden, heads * head_dim),
             f"{stem}.post_attention_layernorm.weight": (hidden,),
-            f"{stem}.mlp.gate_proj.weight": (ffn, hidden),
-            f"{stem}.mlp.up_proj.weight": (ffn, hidden),
-            f"{stem}.mlp.down_proj.weight": (hidden, ffn),
         }
+        if config["model_type"] in ("qwen3", "qwen3_moe"):  # an RMS norm over each head of q and k
+            shapes |= {f"{stem}.self_attn.q_norm.weight": (head_dim,), f"{stem}.self_attn.k_norm.weight": (head_dim,)}
+        if sparse_layer(config, i):
+            shapes[f"{stem}.mlp.gate.weight"] = (config["num_experts"], hidden)
+            for expert in range(config["num_experts"]):
+                shapes |= mlp_shapes(f"{stem}.mlp.experts.{expert}", hidden, config["moe_intermediate_size"])
+        else:
+            shapes |= mlp_shapes(f"{stem}.mlp", hidden, ffn)
         if biased:
             for name, rows in (("q", heads * head_dim), ("k", kv_heads * head_dim), ("v", kv_heads * head_dim)):
                 shapes[f"{stem}.self_attn.{name}_proj.bias"] = (rows,)
@@ -119,6 +166,14 @@ def checkpoint_bytes(folder: Path) -> int:
 
 def parameter_count(config: dict) -> int:
     return sum(int(np.prod(shape)) for shape in tensor_shapes(config).values())
+
+
+def active_parameter_count(config: dict) -> int:
+    """Weights one token reads: all but the experts it is not routed to."""
+    shapes = tensor_shapes(config)
+    routed = sum(int(np.prod(shape)) for name, shape in shapes.items() if ".experts." in name)
+    reached = routed * config.get("num_experts_per_tok", 0) // max(config.get("num_experts", 1), 1)
+    return parameter_count(config) - routed + reached
 
 
 def to_bfloat16_bits(values: np.ndarray) -> np.ndarray:

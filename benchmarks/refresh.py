@@ -29,6 +29,7 @@ COMMANDS = {
     "side_by_side.json": "python benchmarks/side_by_side.py",
     "fanout.json": "python benchmarks/fanout.py",
     "architectures.json": "python benchmarks/architectures.py",
+    "moe_decode.json": "python benchmarks/moe_decode.py",
     "cache_reuse.json": "python benchmarks/cache_reuse.py",
     "scale.json": "python benchmarks/scale.py",
     "continuations-gemma3-270m.json": "python benchmarks/continuations.py --model gemma3-270m",

@@ -23,7 +23,17 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks import continuations, kernels, load_peers, provenance, refresh, scale, step_profile, task_ab  # noqa: E402
+from benchmarks import (  # noqa: E402
+    continuations,
+    kernels,
+    load_peers,
+    moe_decode,
+    provenance,
+    refresh,
+    scale,
+    step_profile,
+    task_ab,
+)
 from benchmarks import structured as structured_bench  # noqa: E402
 from benchmarks.side_by_side import chain_table, quality_table, table  # noqa: E402
 from tasks.reporting import gates  # noqa: E402
@@ -380,6 +390,7 @@ RENDERERS = {
     "report-gemma3-270m": lambda: report_table("gemma3-270m"),
     "summary-gemma3-270m": lambda: report_summary("gemma3-270m"),
     "architectures": architectures,
+    "moe-decode": lambda: moe_decode.table(_json(RESULTS / "moe_decode.json")),
     "scale-stages": lambda: scale.table(_json(RESULTS / "scale.json")),
     "scale-peers": lambda: scale.peers_table(_json(RESULTS / "scale.json")),
     "scale-disk": lambda: scale.disk_table(_json(RESULTS / "scale.json")),

@@ -4,7 +4,9 @@ head_dim apart from hidden / heads, Gemma 3's per-layer attention kinds), in sec
 
 Sliding windows are made short (8 tokens) so that the checks that run longer sequences see them.
 Gemma 2 and Gemma 3 get a layer pattern onnxruntime-genai's builder does not follow: `exporter:
-auto` must notice and fall back to optimum.
+auto` must notice and fall back to optimum. The mixture-of-experts families route each token to 2
+of 4 experts (Qwen2-MoE also through a shared expert; Qwen3-MoE with one dense layer, as
+mlp_only_layers allows), and Qwen2-MoE keeps the top-2 weights unnormalized as its config says.
 """
 
 from __future__ import annotations
@@ -58,11 +60,52 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
         "Gemma3ForCausalLM",
         {"head_dim": 32, "sliding_window": SLIDING_WINDOW, "layer_types": ["sliding_attention", "full_attention"]},
     ),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "tie_word_embeddings": False},
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "shared_expert_intermediate_size": 128,
+            "norm_topk_prob": False,
+            "tie_word_embeddings": True,
+        },
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {
+            "head_dim": 16,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [0],
+            "tie_word_embeddings": True,
+        },
+    ),
     "gpt2": (
         "GPT2Config",
         "GPT2LMHeadModel",
         {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 1024, "n_inner": 128},
     ),
+    # Its token embedding is narrower than the hidden size and projected in and out (OPT-350M's layout).
+    "opt": ("OPTConfig", "OPTForCausalLM", {"ffn_dim": 128, "word_embed_proj_dim": 32, "tie_word_embeddings": True}),
+}
+# Families no exporter writes faithfully here: each export is refused in one line, with the
+# exporters' reasons (Falcon's new decoder architecture fails optimum's trace; Bloom's forward
+# takes no logits_to_keep, so the comparison with PyTorch cannot run; optimum exports StarCoder2
+# without a KV cache only, and genai's builder does not take it).
+REFUSED: dict[str, tuple[str, str, dict]] = {
+    "falcon": ("FalconConfig", "FalconForCausalLM", {"new_decoder_architecture": True, "num_kv_heads": 2}),
+    "bloom": ("BloomConfig", "BloomForCausalLM", {"n_layer": 2, "n_head": 4}),
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {"sliding_window": SLIDING_WINDOW}),
 }
 GPT2_NAMES = {
     "hidden_size",
@@ -73,12 +116,19 @@ GPT2_NAMES = {
     "max_position_embeddings",
     "pad_token_id",
 }
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
+# Weights' spread: larger than the default gives logits with real spread; routed models need more
+# still, or the greedy tokens of a tiny random model sit on near ties that any rounding flips.
+WEIGHT_STD = {family: 0.12 if family in MOE else 0.08 for family in FAMILIES | REFUSED}
+# A random router puts most tokens near a tie between experts, where any rounding flips the choice
+# and the output with it; trained routers are confident, and so is this one.
+ROUTER_STD = 0.6
 
 
 def config_for(family: str, **overrides):
     import transformers
 
-    config_class, _, extra = FAMILIES[family]
+    config_class, _, extra = (FAMILIES | REFUSED)[family]
     values = dict(COMMON)
     if family == "gpt2":  # GPT-2 spells its dimensions itself and has no grouped KV heads
         values = {key: value for key, value in values.items() if key not in GPT2_NAMES}
@@ -93,11 +143,11 @@ def build(family: str, folder: Path, text_path: Path, seed: int = 0, **overrides
     from transformers import PreTrainedTokenizerFast
 
     torch.manual_seed(seed)
-    model = getattr(transformers, FAMILIES[family][1])(config_for(family, **overrides)).eval()
+    model = getattr(transformers, (FAMILIES | REFUSED)[family][1])(config_for(family, **overrides)).eval()
     with torch.no_grad():  # larger-than-default weights give logits with real spread
         for name, parameter in model.named_parameters():
             if parameter.dim() == 2:
-                parameter.normal_(0.0, 0.08)
+                parameter.normal_(0.0, ROUTER_STD if name.endswith(".gate.weight") else WEIGHT_STD[family])
             elif name.endswith(".bias"):
                 parameter.normal_(0.0, 0.05)
     model.save_pretrained(folder, safe_serialization=True)

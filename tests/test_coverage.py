@@ -124,3 +124,14 @@ def test_a_tied_lookup_left_float_beside_int4_codes_fails_coverage(built, params
     assert checked["share_as_asked"] < 1.0
     assert checked["not_as_asked"] == ["float_lookup (Gather, 32-bit, asked 4)"]
     assert validate.measure_coverage(built["int4"], params.variant("int4"))["not_as_asked"] == []
+
+
+def test_a_dense_graph_has_no_routers_whatever_its_names(built):
+    """Only a graph with MoE layers keeps its `gate` matmuls float as routers: in a dense graph a
+    module that happens to be called `gate` is a linear like any other, quantized and asked so."""
+    graph = onnx_io.load(built["fp32"], with_weights=False)
+    node = next(n for n in graph.graph.node if n.op_type == "MatMul" and "/mlp/" in n.name)
+    node.name = "/model/layers.0/mlp/gate/MatMul"
+    assert coverage.routers(graph) == set()
+    assert node.name in {linear.node.name for linear in layers.linear_layers(graph)}
+    assert next(w for w in coverage.weights(graph) if w.node == node.name).role == "linear"

@@ -14,8 +14,16 @@ Initializers keep the checkpoint's tensor names and linear nodes are named after
 graph by name (tasks/quantization/calibration.py). Rotary tables are computed at load from the
 frequencies transformers derives from the config (default, linear, llama3 and yarn scaling).
 
-Families: Llama, Mistral, Qwen2 and Qwen3 (and configs of their shape); anything else is refused
-with the reason, and export falls back to onnxruntime-genai's builder or optimum.
+Mixture-of-experts layers (Mixtral, Qwen2-MoE, Qwen3-MoE) become onnxruntime's MoE operator: the
+router stays a float MatMul whose logits the operator turns into top-k weights, and each expert's
+gate and up rows are interleaved into one [experts, 2 * inter, hidden] input (swiglu_fusion=1, the
+only SwiGLU layout onnxruntime's CPU kernel takes), stacked in the graph from the checkpoint's
+per-expert tensors, so they too stay links until onnxruntime folds them at load. Qwen2-MoE's shared
+expert is a plain MLP scaled by its sigmoid gate.
+
+Families: Llama, Mistral, Qwen2 and Qwen3, and the MoE families above (and configs of their
+shape); anything else is refused with the reason, and export falls back to onnxruntime-genai's
+builder or optimum.
 """
 
 from __future__ import annotations
@@ -37,11 +45,33 @@ FAMILIES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
+# The mixture-of-experts forms of those decoders (Mixtral is Mistral's). Refusals name FAMILIES
+# only: export.json records the refusal, and a longer list would change every refused model's
+# artifact (Gemma 3's) without changing its graph.
+EXPERT_FAMILIES = {
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+Q_K_NORM = ("qwen3", "qwen3_moe")  # an RMS norm over each head of q and k
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # frequencies that do not depend on the sequence
 
 
 class Unsupported(Exception):
     """The config asks for something this exporter does not write; the message says what."""
+
+
+@dataclass(frozen=True)
+class Experts:
+    """A family's mixture-of-experts layers, as its config and checkpoint spell them."""
+
+    count: int
+    top_k: int
+    normalize: bool  # the top-k weights renormalized to sum to 1 (Mixtral; Qwen's norm_topk_prob)
+    sparse: tuple[bool, ...]  # per layer: experts, or a dense MLP (Qwen's mlp_only_layers, decoder_sparse_step)
+    block: str  # the layer's module holding router and experts: block_sparse_moe or mlp
+    projections: tuple[str, str, str]  # each expert's gate, up and down modules
+    shared: bool  # Qwen2-MoE: a shared expert scaled by sigmoid(shared_expert_gate(x))
 
 
 @dataclass(frozen=True)
@@ -60,6 +90,7 @@ class Shape:
     tied: bool
     q_k_norm: bool
     windows: tuple[int, ...]  # per layer: GroupQueryAttention's local_window_size (-1: all)
+    experts: Experts | None = None
 
 
 def node_stem(module: str) -> str:
@@ -82,7 +113,7 @@ def rope_type(config) -> str:
 
 def check_supported(config) -> None:
     """Unsupported with the reason unless this exporter writes the config's model faithfully."""
-    if config.model_type not in FAMILIES:
+    if config.model_type not in FAMILIES | EXPERT_FAMILIES:
         raise Unsupported(f"it writes {', '.join(FAMILIES)} decoders, not model_type `{config.model_type}`")
     if getattr(config, "hidden_act", "silu") != "silu":
         raise Unsupported(f"activation `{config.hidden_act}` (it writes SiLU MLPs)")
@@ -110,9 +141,36 @@ def read_shape(config) -> Shape:
         positions=arch.context_length,
         eps=float(config.rms_norm_eps),
         tied=arch.tied_embeddings,
-        q_k_norm=config.model_type == "qwen3",
+        q_k_norm=config.model_type in Q_K_NORM,
         windows=tuple(expected_windows(arch)),
+        experts=read_experts(config, arch.num_layers),
     )
+
+
+def read_experts(config, layers: int) -> Experts | None:
+    """The config's mixture-of-experts layout, or None for a dense model."""
+    if config.model_type == "mixtral":
+        return Experts(
+            count=config.num_local_experts,
+            top_k=config.num_experts_per_tok,
+            normalize=True,  # softmax, top-k, then divided by their sum
+            sparse=(True,) * layers,
+            block="block_sparse_moe",
+            projections=("w1", "w3", "w2"),
+            shared=False,
+        )
+    if config.model_type in ("qwen2_moe", "qwen3_moe"):
+        step, dense = config.decoder_sparse_step, set(config.mlp_only_layers or ())
+        return Experts(
+            count=config.num_experts,
+            top_k=config.num_experts_per_tok,
+            normalize=bool(config.norm_topk_prob),
+            sparse=tuple(i not in dense and config.num_experts > 0 and (i + 1) % step == 0 for i in range(layers)),
+            block="mlp",
+            projections=("gate_proj", "up_proj", "down_proj"),
+            shared=config.model_type == "qwen2_moe",
+        )
+    return None
 
 
 def rotary_frequencies(config) -> tuple[np.ndarray, float]:
@@ -283,13 +341,75 @@ def _attention(b, x, index, source, shape, sequence, tables) -> str:
     return b.linear(outputs[0], f"{module}.o_proj", f"{source}.self_attn.o_proj")
 
 
-def _mlp(b: GraphBuilder, x: str, index: int, source: str) -> str:
-    module = f"model.layers.{index}.mlp"
-    gate = b.linear(x, f"{module}.gate_proj", f"{source}.mlp.gate_proj")
-    up = b.linear(x, f"{module}.up_proj", f"{source}.mlp.up_proj")
+def _mlp(b: GraphBuilder, x: str, module: str, source: str) -> str:
+    """SwiGLU MLP: module names the nodes (model.layers.3.mlp), source the checkpoint's tensors."""
+    gate = b.linear(x, f"{module}.gate_proj", f"{source}.gate_proj")
+    up = b.linear(x, f"{module}.up_proj", f"{source}.up_proj")
     stem = node_stem(module)
     silu = b.node("Mul", [gate, b.node("Sigmoid", [gate], 1, f"{stem}/act_fn/Sigmoid")], 1, f"{stem}/act_fn/Mul")
-    return b.linear(b.node("Mul", [silu, up], 1, f"{stem}/Mul"), f"{module}.down_proj", f"{source}.mlp.down_proj")
+    return b.linear(b.node("Mul", [silu, up], 1, f"{stem}/Mul"), f"{module}.down_proj", f"{source}.down_proj")
+
+
+def _stacked(b: GraphBuilder, parts: list[str], axis: int, name: str) -> str:
+    """Concat of the parts, each given a new axis there (onnxruntime folds it at load)."""
+    axes = b.constant(f"/model/constants/axis{axis}", np.array([axis], np.int64))
+    unsqueezed = [b.node("Unsqueeze", [part, axes], 1, f"{name}/Unsqueeze_{i}") for i, part in enumerate(parts)]
+    return b.node("Concat", unsqueezed, 1, f"{name}/Concat", axis=axis)
+
+
+def _experts(b: GraphBuilder, x: str, index: int, source: str, shape: Shape) -> str:
+    """onnxruntime's MoE over the layer's experts, routed by the float router's logits; Qwen2-MoE's
+    shared expert added, scaled by its gate."""
+    e = shape.experts
+    module, held = f"model.layers.{index}.{e.block}", f"{source}.{e.block}"
+    stem = node_stem(module)
+    logits = b.linear(x, f"{module}.gate", f"{held}.gate")
+    rows = b.constant(f"/model/constants/router_rows{e.count}", np.array([-1, e.count], np.int64))
+    router = b.node("Reshape", [logits, rows], 1, f"{stem}/router/Reshape")
+    gate, up, down = e.projections
+    experts = [f"{held}.experts.{i}" for i in range(e.count)]
+    # Interleaved rows (gate_0, up_0, gate_1, up_1, ...): [experts, inter, 2, hidden] -> [experts, 2 * inter, hidden].
+    pairs = [
+        _stacked(
+            b, [b.weight(f"{held_by}.{gate}.weight"), b.weight(f"{held_by}.{up}.weight")], 1, f"{stem}/experts.{i}/fc1"
+        )
+        for i, held_by in enumerate(experts)
+    ]
+    inter = b.checkpoint.stored(f"{experts[0]}.{gate}.weight").shape[0]
+    fc1_shape = b.constant(f"/model/constants/fc1_shape{inter}", np.array([e.count, 2 * inter, shape.hidden], np.int64))
+    fc1 = b.node("Reshape", [_stacked(b, pairs, 0, f"{stem}/experts/fc1"), fc1_shape], 1, f"{stem}/experts/fc1/Reshape")
+    fc2 = _stacked(b, [b.weight(f"{held_by}.{down}.weight") for held_by in experts], 0, f"{stem}/experts/fc2")
+    out = b.node(
+        "MoE",
+        [x, router, fc1, "", fc2],
+        1,
+        f"{stem}/experts/MoE",
+        domain="com.microsoft",
+        k=e.top_k,
+        activation_type="swiglu",
+        swiglu_fusion=1,  # interleaved gate and up rows
+        activation_alpha=1.0,  # silu(gate) * (up + beta): plain SwiGLU
+        activation_beta=0.0,
+        normalize_routing_weights=int(e.normalize),
+    )
+    if not e.shared:
+        return out
+    shared = _mlp(b, x, f"{module}.shared_expert", f"{held}.shared_expert")
+    scale = b.node(
+        "Sigmoid",
+        [b.linear(x, f"{module}.shared_expert_gate", f"{held}.shared_expert_gate")],
+        1,
+        f"{stem}/shared_expert_gate/Sigmoid",
+    )
+    gated = b.node("Mul", [scale, shared], 1, f"{stem}/shared_expert/Mul_gate")
+    return b.node("Add", [out, gated], 1, f"{stem}/experts/Add")
+
+
+def _feed_forward(b: GraphBuilder, x: str, index: int, layer: int, source: str, shape: Shape) -> str:
+    """The layer's MLP: experts where the config puts them, else a dense SwiGLU MLP."""
+    if shape.experts is not None and shape.experts.sparse[layer]:
+        return _experts(b, x, index, source, shape)
+    return _mlp(b, x, f"model.layers.{index}.mlp", f"{source}.mlp")
 
 
 def build(config, checkpoint: Checkpoint, layers: list[int] | None = None):
@@ -313,7 +433,7 @@ def build(config, checkpoint: Checkpoint, layers: list[int] | None = None):
         attention = _attention(b, x, index, source, shape, sequence, tables)
         post_norm = f"{source}.post_attention_layernorm.weight"
         x, residual = _skip_rms_norm(b, residual, attention, post_norm, shape.eps, f"{stem}/post_attention_layernorm")
-        mlp_out = _mlp(b, x, index, source)
+        mlp_out = _feed_forward(b, x, index, layer, source, shape)
         # The residual sum after the MLP is normed by the next layer's input norm (the last: the final norm).
         if index + 1 < len(chosen):
             next_norm, name = (

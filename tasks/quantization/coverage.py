@@ -5,9 +5,12 @@ the variant's params asked: a variant called int4 whose linear layers stayed flo
 Conv1D layers export as Gemm, which a MatMul-only quantizer skips) fails instead of passing on a
 perplexity that float weights made easy.
 
-Roles: `linear` (a layer's matmul), `output` (the matmul that produces the logits) and
-`embedding` (the token lookup). A matrix read twice (a tied vocabulary matrix: the output layer
-and the lookup) counts its stored bytes once, at its first reader; the second is `shared`.
+Roles: `linear` (a layer's matmul), `output` (the matmul that produces the logits), `embedding`
+(the token lookup), and in mixture-of-experts layers `experts` (one MoE or QMoE node: every
+expert's matrices of the layer) and `router` (the matmul whose logits pick the experts, and
+Qwen2-MoE's shared-expert gate; kept float). A matrix read twice (a tied vocabulary matrix: the
+output layer and the lookup) counts its stored bytes once, at its first reader; the second is
+`shared`.
 """
 
 from __future__ import annotations
@@ -28,6 +31,13 @@ LAYER_INDEX = re.compile(r"/layers\.(\d+)/|/h\.(\d+)/")  # LLaMA-style and GPT-2
 WEIGHT_PATH = {"Cast", "Transpose", "Reshape", "DequantizeLinear"}
 MATMULS = {"MatMul", "Gemm", "FusedMatMul", "MatMulInteger", "DynamicQuantizeMatMul"}
 BITS_OF_TYPE = {1: 32, 10: 16, 16: 16, 2: 8, 3: 8, 21: 4, 22: 4}  # float, (b)float16, (u)int8, (u)int4
+EXPERTS_OP, QUANTIZED_EXPERTS_OP = "MoE", "QMoE"  # onnxruntime's mixture-of-experts operators
+# Where their expert weights are: MoE's fc1 and fc2 inputs; QMoE's codes and scales of each.
+EXPERT_WEIGHTS = {EXPERTS_OP: (2, 4), QUANTIZED_EXPERTS_OP: (2, 3, 5, 6)}
+# Nodes that stack per-expert matrices into one MoE input (tasks/graphs/decoder_graph.py).
+STACKING = {"Concat", "Unsqueeze", "Reshape"}
+# A MoE layer's router (mlp.gate, block_sparse_moe.gate) and Qwen2-MoE's shared-expert gate.
+ROUTER = re.compile(r"/(gate|shared_expert_gate)/MatMul$")
 
 
 @dataclass(frozen=True)
@@ -47,6 +57,27 @@ def layer_of(name: str) -> int | None:
     return int(next(group for group in match.groups() if group is not None)) if match else None
 
 
+def routers(model) -> set[str]:
+    """The router matmuls of a graph with MoE layers (none in a dense graph, whatever its names)."""
+    if not any(node.op_type in EXPERT_WEIGHTS for node in model.graph.node):
+        return set()
+    return {node.name for node in model.graph.node if node.op_type == "MatMul" and ROUTER.search(node.name)}
+
+
+def stacked_parts(producers: dict, name: str, leaf) -> list:
+    """What a stacked expert input is built from, in stacking order: leaf(value) for each value
+    that leaf recognises (a weight), found through Concat, Unsqueeze and Reshape nodes (their first
+    input: the others are axes and shapes)."""
+    found = leaf(name)
+    if found is not None:
+        return [found]
+    node = producers.get(name)
+    if node is None or node.op_type not in STACKING:
+        return []
+    inputs = node.input if node.op_type == "Concat" else node.input[:1]
+    return [part for value in inputs for part in stacked_parts(producers, value, leaf)]
+
+
 def _attribute(node, name: str):
     from onnx import helper
 
@@ -62,6 +93,7 @@ class _Graph:
             for name in node.input:
                 self.consumers[name].append(node)
         self.counted: set[str] = set()
+        self.routers = routers(model)
 
     def source(self, name: str):
         """(initializer, bits) a weight input is read from, or None when it is an activation."""
@@ -114,8 +146,29 @@ def weights(model) -> list[Weight]:
     return [weight for node in nodes if (weight := _matrix(graph, node)) is not None]
 
 
+def _experts(graph: _Graph, node) -> Weight:
+    """All the experts' matrices of one MoE layer (float stacked, or QMoE's codes)."""
+    if node.op_type == QUANTIZED_EXPERTS_OP:
+        bits = _attribute(node, "expert_weight_bits")
+        codes = [graph.initializers[node.input[i]] for i in EXPERT_WEIGHTS[node.op_type][::2]]
+        parameters = sum(int(np.prod(tensor.dims)) * 8 // bits for tensor in codes)
+        size, shared = graph.store([node.input[i] for i in EXPERT_WEIGHTS[node.op_type]])
+    else:
+        parts = [
+            found
+            for i in EXPERT_WEIGHTS[node.op_type]
+            for found in stacked_parts(graph.producers, node.input[i], graph.source)
+        ]
+        bits = max(part_bits for _, part_bits in parts)
+        parameters = sum(int(np.prod(tensor.dims)) for tensor, _ in parts)
+        size, shared = graph.store([tensor.name for tensor, _ in parts])
+    return Weight(node.name, node.op_type, "experts", bits, parameters, size, layer_of(node.name), shared)
+
+
 def _matrix(graph: _Graph, node) -> Weight | None:
     op, layer = node.op_type, layer_of(node.name)
+    if op in EXPERT_WEIGHTS:
+        return _experts(graph, node)
     if op == "MatMulNBits":
         size, shared = graph.store(node.input[1:4])
         role = "output" if graph.feeds_logits(node.output[0]) else "linear"
@@ -137,8 +190,10 @@ def _matrix(graph: _Graph, node) -> Weight | None:
         bits = 8
     if op == "Gather":
         role = "embedding"
+    elif graph.feeds_logits(node.output[0]):
+        role = "output"
     else:
-        role = "output" if graph.feeds_logits(node.output[0]) else "linear"
+        role = "router" if node.name in graph.routers else "linear"
     size, shared = graph.store([node.input[weight_input]])
     return Weight(node.name, op, role, bits, int(np.prod(tensor.dims)), size, layer, shared)
 
@@ -180,6 +235,8 @@ def asked_bits(params: QuantizeConfig, weight: Weight, num_layers: int, kept_flo
         if not weight.shared and weight.parameters != vocabulary["parameters"]:  # GPT-2's positions: float
             return 16 if params.method == "fp16" else 32
         return _lookup_bits(params, vocabulary["shared"])
+    if weight.role == "router":  # kept float by every method that keeps any float
+        return 16 if params.method == "fp16" else 32
     if weight.node in kept_float or any(pattern in weight.node for pattern in kept_float_patterns(params)):
         return 32
     if params.method == "weight_only":

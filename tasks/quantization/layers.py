@@ -18,7 +18,7 @@ from tasks.graphs.weights import Chain, GraphIndex, WeightStore
 from tasks.quantization.calibration import DIAGONAL, FULL
 from tasks.quantization.codes import MIN_BLOCK, layer_block
 from tasks.quantization.configs import QuantizeConfig
-from tasks.quantization.coverage import layer_of
+from tasks.quantization.coverage import layer_of, routers
 
 
 @dataclass(frozen=True)
@@ -42,12 +42,14 @@ def _gemm_as_linear(node) -> tuple[bool, bool]:
 
 
 def linear_layers(model) -> list[Linear]:
-    """MatMuls and Gemms with a constant 2-D weight, except the output layer."""
+    """MatMuls and Gemms with a constant 2-D weight, except the output layer and MoE routers
+    (kept float: their rounding would change which experts a token reaches)."""
     index = GraphIndex(model)
     head = onnx_io.output_matmul(model)
+    kept_float = routers(model)
     found = []
     for node in model.graph.node:
-        if node.op_type not in ("MatMul", "Gemm") or len(node.input) < 2 or node is head:
+        if node.op_type not in ("MatMul", "Gemm") or len(node.input) < 2 or node is head or node.name in kept_float:
             continue
         chain = index.chain(node.input[1])
         if chain is None or len(index.initializers[chain.initializer].dims) != 2:

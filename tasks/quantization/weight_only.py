@@ -28,6 +28,7 @@ from tasks.core.errors import StageError
 from tasks.graphs.weights import ExternalData, WeightStore, prune
 from tasks.quantization.codes import MIN_BLOCK, layer_block, pack, pack_zero_points, quantize_codes, round_to_nearest
 from tasks.quantization.configs import QuantizeConfig
+from tasks.quantization.experts import quantize_experts
 from tasks.quantization.layers import (
     OutputLayer,
     layer_bits,
@@ -99,7 +100,7 @@ def quantize_model(
     store: WeightStore | None = None,
     data: ExternalData | None = None,
 ):
-    """Rewrite model in place: linears to MatMulNBits (siblings packed); unless output_bits is 32,
+    """Rewrite model in place: linears to MatMulNBits (siblings packed), MoE experts to QMoE; unless output_bits is 32,
     the output layer (and a tied embedding) to codes shared by MatMulNBits and GatherBlockQuantized.
     Returns model and notes on layers that could not use the asked block size.
 
@@ -132,6 +133,7 @@ def quantize_model(
         done, before = done + len(group), done
         if done // 30 > before // 30 or done == len(linears):
             log.info("quantized %d/%d linear layers", done, len(linears))
+    notes += quantize_experts(writer, store, cfg, num_layers, only_blocks)
     head = output_layer(model)
     if head is not None and cfg.output_bits != 32:
         notes += quantize_output_layer(writer, store, head, cfg, hessians.get(head.node.input[0]))
