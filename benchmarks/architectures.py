@@ -1,7 +1,8 @@
 """Every architecture family ortforge takes, through every stage, as a table: a tiny random model
 of each family (tests/families.py: the family's real config class) is downloaded, exported
 (`auto`), optimized, quantized to fp32, int8 and int4 and validated against PyTorch, and its fp32
-artifact's prefill and cached decode are compared with PyTorch.
+artifact's prefill and cached decode are compared with PyTorch. The families no exporter takes
+(tests/families.py's REFUSED) get a row with the one-line refusal export gives.
 
     python benchmarks/architectures.py     # writes benchmarks/results/architectures.{json,md}
 
@@ -56,9 +57,28 @@ def row(family: str, root: Path) -> dict:
     }
 
 
+def refused_row(family: str, root: Path) -> dict:
+    """The export stage's one-line refusal of a family no exporter takes (passed: it was refused)."""
+    from tasks import export
+    from tasks.core.params import ExportConfig
+    from tasks.core.stage import StageError
+    from tests.conftest import EVAL_TEXT
+
+    hf = families.build(family, root / "hf", EVAL_TEXT)
+    try:
+        export.run(ExportConfig(), "auto", hf, root / "onnx")
+    except StageError as refusal:
+        return {"family": family, "config_class": families.REFUSED[family][0], "refusal": str(refusal), "passed": True}
+    return {"family": family, "config_class": families.REFUSED[family][0], "refusal": None, "passed": False}
+
+
 def markdown(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in rows:
+        if "refusal" in r:
+            why = (r["refusal"] or "exported: move it to tests/families.py's FAMILIES").replace("|", "/")
+            lines.append(f"| {r['family']} | {r['config_class']} | refused | {why} | - | - | - | - | - |")
+            continue
         refused = "; ".join(f"{name}: {why.split(' (')[0]}" for name, why in r["refused"].items()) or "-"
         ppl = r["ppl_ratio"]
         lines.append(
@@ -75,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
         for family in families.FAMILIES:
             rows.append(row(family, Path(scratch) / family))
             print(f"{family}: {rows[-1]['exporter']}, runtime vs PyTorch {rows[-1]['runtime_vs_pytorch']:.1e}")
+        for family in families.REFUSED:
+            rows.append(refused_row(family, Path(scratch) / family))
+            print(f"{family}: {rows[-1]['refusal']}")
     RESULTS.mkdir(parents=True, exist_ok=True)
     # Tiny random models it builds itself: nothing in dvc.lock describes them, the commit does.
     found = {"provenance": provenance.record(provenance.command("architectures.py", argv)), "rows": rows}

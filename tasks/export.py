@@ -60,6 +60,24 @@ class ExportRefused(Exception):
     """One exporter could not produce a faithful graph; auto tries the next."""
 
 
+def first_line(error: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message (a torch tracing error
+    carries a page of context after it; the stage's log keeps the whole traceback)."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+
+
+def refused_on_error(what: str, call, *args):
+    """call(*args); any exception but a refusal becomes one: `what failed (Type: first line)`."""
+    try:
+        return call(*args)
+    except ExportRefused:
+        raise
+    except Exception as error:
+        log.info("%s failed; the traceback, for a report:", what, exc_info=True)
+        raise ExportRefused(f"{what} failed ({first_line(error)})") from None
+
+
 @dataclass(frozen=True)
 class ExportResult:
     out_dir: Path
@@ -84,7 +102,7 @@ def export_ortforge(hf_dir: Path, out: Path, trust_remote_code: bool, layers: li
     except decoder_graph.Unsupported as why:
         raise ExportRefused(f"ortforge's exporter does not write it: {why}") from None
     checkpoint = Checkpoint(hf_dir)
-    graph = decoder_graph.build(config, checkpoint, layers)
+    graph = refused_on_error("ortforge's exporter", decoder_graph.build, config, checkpoint, layers)
     for file in checkpoint.files:
         link_or_copy(hf_dir / file, out / file)
     onnx_io.save_graph_only(graph, out)
@@ -107,11 +125,17 @@ def export_optimum(cfg: ExportConfig, hf_dir: Path, out: Path, trust_remote_code
     from optimum.exporters.onnx import onnx_export_from_model
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(
-        hf_dir, dtype=torch.float32, attn_implementation="eager", trust_remote_code=trust_remote_code
+    model = refused_on_error(
+        "transformers' loader",
+        lambda: AutoModelForCausalLM.from_pretrained(
+            hf_dir, dtype=torch.float32, attn_implementation="eager", trust_remote_code=trust_remote_code
+        ),
     )
     # do_validation off: this stage compares the graph with PyTorch itself (parity below).
-    onnx_export_from_model(model, str(out), opset=cfg.opset, task=TASK, do_validation=False)
+    refused_on_error(
+        "optimum-onnx's export",
+        lambda: onnx_export_from_model(model, str(out), opset=cfg.opset, task=TASK, do_validation=False),
+    )
 
 
 def export_genai(hf_dir: Path, out: Path) -> None:
@@ -127,7 +151,8 @@ def export_genai(hf_dir: Path, out: Path) -> None:
         except NotImplementedError as error:
             raise ExportRefused(f"onnxruntime-genai's builder does not take it ({error})") from None
         except Exception as error:  # the builder fails on configs it half supports (KeyError, ...)
-            raise ExportRefused(f"onnxruntime-genai's builder failed ({type(error).__name__}: {error})") from None
+            log.info("onnxruntime-genai's builder failed; the traceback, for a report:", exc_info=True)
+            raise ExportRefused(f"onnxruntime-genai's builder failed ({first_line(error)})") from None
 
 
 def check_kv_names(model, num_layers: int) -> None:
@@ -178,8 +203,18 @@ def parity(graph_dir: Path, hf_dir: Path, arch: Architecture, graph, layers: lis
     prefill = min(prefill, arch.context_length - PARITY_STEPS)
     ids = np.random.default_rng(0).integers(0, arch.vocab_size, prefill + PARITY_STEPS, dtype=np.int64)
     layout = names.KV_SHARED if any(n.op_type == "GroupQueryAttention" for n in graph.graph.node) else "chained"
-    stepped = _onnxruntime_logits(graph_dir, arch.head_dim, layout, ids, prefill)  # its session is gone after
-    reference = _pytorch_logits(hf_dir, ids, layers)
+    # onnxruntime refusing the graph (GroupQueryAttention wants head sizes of 16k), or PyTorch
+    # refusing the comparison run: each named as what failed. The session is gone after.
+    stepped = refused_on_error(
+        "onnxruntime running its graph", _onnxruntime_logits, graph_dir, arch.head_dim, layout, ids, prefill
+    )
+    reference = refused_on_error(
+        f"PyTorch (transformers {architecture.installed_transformers()}) running the model to compare",
+        _pytorch_logits,
+        hf_dir,
+        ids,
+        layers,
+    )
     gap = float(np.abs(stepped - reference).max() / np.abs(reference).max())
     figures = {"tokens": int(len(ids)), "cached_steps": PARITY_STEPS, "max_relative_logit_diff": gap}
     return figures | ({"layers": layers} if layers is not None else {})
@@ -239,11 +274,7 @@ def attempt(exporter: str, cfg: ExportConfig, hf_dir: Path, out: Path, arch: Arc
     graph = onnx_io.load(out, with_weights=False)
     check_kv_names(graph, arch.num_layers)
     check_attention_windows(graph, arch)
-    try:
-        figures = checked(out, hf_dir, arch, graph, exporter, trust_code)
-    except Exception as error:  # onnxruntime refusing the graph (GroupQueryAttention wants head sizes of 16k)
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ExportRefused(f"onnxruntime cannot run its graph ({first_line})") from None
+    figures = checked(out, hf_dir, arch, graph, exporter, trust_code)
     if not figures["max_relative_logit_diff"] <= PARITY_TOLERANCE:  # NaN fails too
         raise ExportRefused(
             f"its logits differ from PyTorch's by {figures['max_relative_logit_diff']:.2g} of their range over "
@@ -274,7 +305,7 @@ def export_first_faithful(
         try:
             if exporter != "ortforge":
                 check_memory_for_builder(hf_dir)
-            figures = attempt(exporter, cfg, hf_dir, out, arch, trust_code)
+            figures = refused_on_error(exporter, attempt, exporter, cfg, hf_dir, out, arch, trust_code)
         except ExportRefused as refusal:
             log.warning("%s: %s", exporter, refusal)
             refusals[exporter] = str(refusal)

@@ -124,3 +124,17 @@ def test_expected_windows_follow_the_config():
     assert export.expected_windows(dims) == [8, -1]
     assert export.expected_windows(dims.__class__(**{**dims.__dict__, "sliding_window": None})) == [-1, -1]
     assert np.all(np.array(export.expected_windows(dims.__class__(**{**dims.__dict__, "layer_types": None}))) == 8)
+
+
+@pytest.mark.parametrize("family", sorted(families.REFUSED))
+def test_a_family_no_exporter_takes_is_refused_in_one_line_with_each_reason(family, tmp_path):
+    """Every exporter's failure, a torch trace's page of context included, becomes one clause of
+    one line; a failure of the PyTorch comparison run is PyTorch's, not onnxruntime's."""
+    hf = families.build(family, tmp_path / "hf", EVAL_TEXT)
+    with pytest.raises(StageError) as refusal:
+        export.run(ExportConfig(), "auto", hf, tmp_path / "onnx")
+    message = str(refusal.value)
+    assert "\n" not in message and message.startswith("no exporter produced a faithful graph")
+    assert all(f"{exporter}: " in message for exporter in export.candidates("auto"))
+    assert "onnxruntime running its graph" not in message
+    assert not (tmp_path / "onnx").exists()
