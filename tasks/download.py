@@ -93,6 +93,7 @@ def run(spec: ModelSpec, out_dir: Path, stage: str = "download") -> DownloadResu
             folder, record = _local_folder(source), {"kind": "local", "path": str(source.path)}
         resources.check(stage, folder_needs(folder, spec), out_dir)
         check_has_tokenizer(folder)
+        check_source_weights(folder, spec)  # named as the source's files, not the copies'
         with atomic_output_dir(out_dir) as tmp:
             copy_allowed(folder, tmp, allowed_patterns(spec))
             ensure_safetensors(tmp, spec)
@@ -243,21 +244,30 @@ def copy_allowed(folder: Path, dest: Path, patterns: tuple[str, ...]) -> None:
             shutil.copyfile(path, dest / path.name)  # follows the hub cache's symlinks
 
 
-def ensure_safetensors(folder: Path, spec: ModelSpec) -> None:
-    """Check the safetensors weights, or convert opted-in pickle weights to safetensors."""
+def check_source_weights(folder: Path, spec: ModelSpec) -> None:
+    """The source's config.json is a JSON object that asks for no remote code unless opted in, and
+    its safetensors files are whole: checked in place, before anything is copied."""
+    path = folder / "config.json"
     try:
-        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        config = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise StageError(f"the source's config.json is not valid JSON ({error}); fix or re-download it") from None
+        raise StageError(f"{path} is not valid JSON ({error}); fix or re-download it") from None
+    if not isinstance(config, dict):
+        raise StageError(
+            f"{path} holds a JSON {type(config).__name__}, not an object of settings; fix or re-download it"
+        )
     if config.get("auto_map") and not spec.trust_remote_code:
         raise StageError(
             f"config.json asks for remote code ({', '.join(config['auto_map'])}); it is not run unless "
             f"you set models.<name>.trust_remote_code: true"
         )
-    safetensors = sorted(folder.glob("*.safetensors"))
-    for path in safetensors:
-        check_safetensors(path)
-    if safetensors:
+    for weights in sorted(folder.glob("*.safetensors")):
+        check_safetensors(weights)
+
+
+def ensure_safetensors(folder: Path, spec: ModelSpec) -> None:
+    """Safetensors weights (checked in the source), or opted-in pickle weights converted to them."""
+    if any(folder.glob("*.safetensors")):
         return
     pickles = [p for p in folder.iterdir() if any(fnmatch(p.name, pat) for pat in PICKLE_WEIGHT_PATTERNS)]
     if not pickles:

@@ -273,17 +273,22 @@ BAD_SOURCES = [
     (
         "config.json that is not JSON",
         lambda h, g, t: dict(kind="local", path=str(with_config_text(h, t / "c", "{not json"))),
-        "the source's config.json is not valid JSON",
+        r"in/c/config.json is not valid JSON",
+    ),
+    (
+        "config.json that is JSON but not an object",
+        lambda h, g, t: dict(kind="local", path=str(with_config_text(h, t / "l", "[1, 2]"))),
+        r"in/l/config.json holds a JSON list, not an object of settings; fix or re-download it",
     ),
     (
         "gguf folder without file",
         lambda h, g, t: dict(kind="gguf", path=str(folder_of(g, t / "ggufs"))),
         r"GGUF source .*ggufs is a folder \(holding tiny.gguf\); name the file with source.file",
     ),
-    (
+    (  # named where the user can find it: the source's file, not a temporary copy
         "truncated safetensors",
         lambda h, g, t: dict(kind="local", path=str(with_truncated_safetensors(h, t / "s"))),
-        "is truncated",
+        r"safetensors file \S*/in/s/model.safetensors is truncated",
     ),
 ]
 
