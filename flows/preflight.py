@@ -1,5 +1,8 @@
 """What a build checks before DVC starts, and tidies after: the params are valid (one line naming
-the key and the fix, where DVC's own templating would fail deep inside), every output can be
+the key and the fix, where DVC's own templating would fail deep inside), every weight-only
+variant's block size divides the model's layer widths where its config.json is already on disk (a
+local source, or the last download: quantize would refuse it only after export, optimize and
+reference ran), every output can be
 written (DVC deletes a stage's outputs before running it, so an unwritable one would cost them),
 no dead writer's temporary is left beside an output (DVC may restore an output from its run cache
 without running the stage that would remove it), no hard-linked cache object was written in place
@@ -16,6 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from flows import cache_links
+from ortforge.names import MODEL_CONFIG_FILE
 from tasks.core import paths
 from tasks.core.errors import StageError
 from tasks.core.files import remove_abandoned_under
@@ -102,10 +106,72 @@ def check_named_paths(root: Path, params) -> None:
             )
 
 
+def config_before_download(root: Path, name: str, spec) -> Path | None:
+    """The folder of a model's config.json before download runs: a local source's own, the last
+    download's, or, for a Hub source, its config.json alone at the pinned revision (a few KB, from
+    the hub cache when it has it). None when none can be had (download then says why)."""
+    for folder in (spec.source.path if spec.source.kind == "local" else None, paths.hf_dir(name)):
+        if folder is not None and (Path(root) / folder / MODEL_CONFIG_FILE).is_file():
+            return Path(root) / folder
+    if spec.source.kind == "hub":
+        from huggingface_hub import hf_hub_download
+        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
+
+        try:
+            config = hf_hub_download(spec.source.repo_id, MODEL_CONFIG_FILE, revision=spec.source.revision)
+        except (LocalEntryNotFoundError, OfflineModeIsEnabled, HfHubHTTPError, OSError):
+            return None
+        return Path(config).parent
+    return None
+
+
+def linear_inputs(config) -> dict[str, int]:
+    """The input widths (K) of a decoder's linear layers, by what the config calls them."""
+    heads = getattr(config, "num_attention_heads", None)
+    head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
+    widths = {
+        "hidden_size": config.hidden_size,
+        "num_attention_heads x head_dim": heads * head_dim if heads and head_dim else None,
+        "intermediate_size": getattr(config, "intermediate_size", None),
+        "moe_intermediate_size": getattr(config, "moe_intermediate_size", None),
+        "shared_expert_intermediate_size": getattr(config, "shared_expert_intermediate_size", None),
+    }
+    return {key: width for key, width in widths.items() if isinstance(width, int) and width > 0}
+
+
+def check_block_sizes(root: Path, params) -> None:
+    """StageError naming the build, the width and the fix when a weight-only variant's blocks
+    cannot divide one of its model's layer widths (MatMulNBits stores whole blocks)."""
+    from transformers import AutoConfig
+
+    from tasks.quantization.codes import MIN_BLOCK, layer_block
+
+    for name, spec in params.models.items():
+        variants = [v for v in params.variants_of(name) if params.variant(v).method == "weight_only"]
+        folder = config_before_download(root, name, spec) if variants else None  # no Hub request for nothing
+        if folder is None:
+            continue
+        try:
+            config = AutoConfig.from_pretrained(folder, trust_remote_code=spec.trust_remote_code).get_text_config()
+        except (OSError, ValueError, KeyError):  # download and export say what is wrong with it
+            continue
+        for key, width in linear_inputs(config).items():
+            for variant in variants:
+                if layer_block(width, params.variant(variant).block_size) is None:
+                    raise StageError(
+                        f"params.yaml builds {name}-{variant}: {name}'s {key} is {width}, which no block of "
+                        f"{MIN_BLOCK} or more divides (MatMulNBits stores whole blocks); build {name} with method "
+                        f"int8_dynamic or fp16 instead of {variant}"
+                    )
+
+
 def before_build(root: Path, say: Callable[[str], object] = _warn) -> None:
-    """StageError (one line) when the params are invalid, name a path that does not exist, or an
-    output cannot be written; cache objects written in place are dropped, saying so."""
-    check_named_paths(root, load_params(Path(root) / paths.PARAMS))
+    """StageError (one line) when the params are invalid, name a path that does not exist, ask
+    blocks a model's widths cannot hold, or an output cannot be written; cache objects written in
+    place are dropped, saying so."""
+    params = load_params(Path(root) / paths.PARAMS)
+    check_named_paths(root, params)
+    check_block_sizes(root, params)
     cache_links.remove_damaged(Path(root), say)
     tidy(root)
     for output in output_paths(root):

@@ -124,6 +124,55 @@ def test_build_refuses_a_path_params_names_that_does_not_exist_before_dvc(built,
     assert err.count("\n") == 1 and not (tmp_path / "logs").exists()  # DVC never started
 
 
+def test_build_refuses_blocks_a_models_widths_cannot_hold_before_dvc(tmp_path, capsys):
+    """A local model whose MLP is 72 wide (8 x 9: no block of 16 or more divides it) and weight-only
+    builds (int8 is the first): quantize would refuse it only after export, optimize and reference ran."""
+    from ortforge import cli
+    from tests import tiny_models
+    from tests.conftest import EVAL_TEXT
+
+    source = tiny_models.build_hf_model(tmp_path / "src", EVAL_TEXT, intermediate_size=72)
+    params = tiny_params(source)
+    params.setdefault("bench", {})
+    write_params(tmp_path, params)
+    shutil.copytree(REPO / "data" / "eval", tmp_path / "data" / "eval")
+    assert cli.main(["--root", str(tmp_path), "build"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: params.yaml builds tiny-int8: tiny's intermediate_size is 72, which no block"), err
+    assert "build tiny with method int8_dynamic or fp16 instead of int8" in err
+    assert err.count("\n") == 1 and not (tmp_path / "logs").exists()  # DVC never started
+
+
+def test_build_refuses_a_hub_models_widths_from_its_config_alone_before_download(tmp_path, capsys, monkeypatch):
+    """A Hub source not fetched yet: preflight reads its config.json alone at the pinned revision
+    (here from a pre-filled hub cache, offline) and refuses before DVC downloads any weight."""
+    from huggingface_hub import constants
+
+    from ortforge import cli
+    from tests import tiny_models
+    from tests.conftest import EVAL_TEXT
+
+    revision = "a" * 40
+    source = tiny_models.build_hf_model(tmp_path / "src", EVAL_TEXT, intermediate_size=72)
+    snapshot = tmp_path / "hub" / "models--org--wide" / "snapshots" / revision
+    snapshot.mkdir(parents=True)
+    shutil.copy(source / "config.json", snapshot / "config.json")  # the cache holds no weights at all
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    params = tiny_params(source)
+    pinned = "data/sources/pinned.txt"
+    params["models"]["tiny"]["source"] = {"kind": "hub", "repo_id": "org/wide", "revision": revision, "path": pinned}
+    params.setdefault("bench", {})
+    write_params(tmp_path, params)
+    (tmp_path / pinned).parent.mkdir(parents=True)
+    (tmp_path / pinned).write_text(f"org/wide@{revision}\n")
+    shutil.copytree(REPO / "data" / "eval", tmp_path / "data" / "eval")
+    assert cli.main(["--root", str(tmp_path), "build"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: params.yaml builds tiny-int8: tiny's intermediate_size is 72, which no block"), err
+    assert err.count("\n") == 1 and not (tmp_path / "logs").exists()  # DVC never started
+
+
 def test_a_killed_builds_copies_of_kept_measurements_go_at_the_next_build(tmp_path):
     """kill -9 runs no cleanup: the next build removes the dead build's temp folder, not a live one's."""
     from flows.preflight import KEPT_PREFIX, remove_dead_builds_copies
