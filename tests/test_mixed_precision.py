@@ -3,6 +3,8 @@ megabyte, raised to 8 bits within the size budget, recorded, and validated as as
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from ortforge.manifest import read_manifest
@@ -49,3 +51,18 @@ def test_a_budget_below_the_lowest_widths_is_refused_before_measuring(built, tmp
     with pytest.raises(StageError, match="even at its lowest widths the variant would take about"):
         quantize.run(budgeted(0.01), built["optimized"], built["hf"], tmp_path / "v", {}, CALIBRATION)
     assert not (tmp_path / "v").exists()
+
+
+def test_measuring_keeps_one_candidate_on_disk_at_a_time(built, tmp_path, monkeypatch):
+    """Each part's candidate is a whole model: kept until the end they took parts x model of disk."""
+    from tasks.quantization import mixed_precision
+
+    on_disk, decoder = [], mixed_precision._decoder
+
+    def counting(folder, *args):
+        on_disk.append(len(list(Path(folder).parent.glob("part-*"))))
+        return decoder(folder, *args)
+
+    monkeypatch.setattr(mixed_precision, "_decoder", counting)
+    quantize.run(budgeted(10.0), built["optimized"], built["hf"], tmp_path / "v", {}, CALIBRATION)
+    assert len(on_disk) > 3 and max(on_disk) == 1

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,6 +76,9 @@ def _damage(measure: Measure, cfg: QuantizeConfig, part, reference, scratch: Pat
     onnx_io.save(candidate, folder, external_data=True)  # moves the copy's weights to the file
     decoder = _decoder(folder, measure.head_dim, _layout(measure.model))
     kl = np.mean([metrics.compare(decoder, ref, MEASURE, len(ref.ids) - 1)["kl_divergence"] for ref in reference])
+    del decoder  # its session maps the candidate's weights: release them before the folder goes
+    # One candidate on disk at a time: kept, they took a whole model per part (Gemma 3 270M: 19 GB).
+    shutil.rmtree(folder)
     stored = sum(
         w.stored_bytes
         for w in coverage.weights(candidate)
