@@ -224,6 +224,28 @@ def make_project(folder: Path, hf_dir: Path) -> Path:
     return folder
 
 
+def copy_project(source: Path, dest: Path) -> Path:
+    """A project folder copied whole (git, dvc.lock, workspace and DVC cache) but for DVC's own
+    locks and state under .dvc/tmp, which the copy rebuilds."""
+    top = source / ".dvc"
+    shutil.copytree(source, dest, symlinks=True, ignore=lambda folder, _: ["tmp"] if Path(folder) == top else [])
+    return dest
+
+
+@pytest.fixture(scope="session")
+def first_build(tmp_path_factory, tiny_hf) -> tuple[Path, list[str]]:
+    """The tiny project's whole DAG built from nothing by `dvc repro`, once per session: its
+    folder and the stages that ran. Tests change copies of it (built_project), never it."""
+    project = make_project(tmp_path_factory.mktemp("first-build") / "repo", tiny_hf)
+    return project, dvc_repro(project)
+
+
+@pytest.fixture
+def built_project(tmp_path, first_build) -> Path:
+    """A copy of the first build, for a test that starts from a built project."""
+    return copy_project(first_build[0], tmp_path / "repo")
+
+
 @pytest.fixture(scope="session")
 def built_genai(tmp_path_factory, built) -> dict[str, Path]:
     """The tiny model through onnxruntime-genai's builder (what `auto` falls back to for families
@@ -285,10 +307,9 @@ def set_param(project: Path, keys: list[str], value, file: str = "params.yaml") 
 
 
 @pytest.fixture(scope="session")
-def pushed(tmp_path_factory, tiny_hf) -> Path:
+def pushed(tmp_path_factory, first_build) -> Path:
     """A tiny-model project built once, committed, and pushed to its default remote."""
-    project = make_project(tmp_path_factory.mktemp("cache") / "origin", tiny_hf)
-    assert dvc_repro(project)
+    project = copy_project(first_build[0], tmp_path_factory.mktemp("cache") / "origin")
     git(project, "add", "-A")
     git(project, "commit", "-q", "-m", "build")
     dvc(project, "push")

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from flows.dvc import BUILD_LOCK
-from tests.conftest import dvc
+from tests.conftest import dvc, set_param
 
 pytestmark = pytest.mark.e2e
 
@@ -30,7 +30,9 @@ def wait_until_locked(project, first: subprocess.Popen) -> None:
     raise AssertionError("the first build never took the lock")
 
 
-def test_second_build_waits_or_stops_and_nothing_is_corrupted(project):
+def test_second_build_waits_or_stops_and_nothing_is_corrupted(built_project):
+    project = built_project
+    set_param(project, ["quantize", "int4", "block_size"], 16)  # the first build has stages to run
     first = ortforge(project, "build")
     wait_until_locked(project, first)
 

@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
-from tests.conftest import tiny_params, wait_for, write_params
+from tests.conftest import set_param, tiny_params, wait_for, write_params
 
 OLD, NEW = "a" * 40, "b" * 40
 
@@ -72,11 +72,13 @@ def test_follow_upstream_bumps_followed_revision_keeping_comments(tmp_path, tiny
 
 
 @pytest.mark.e2e
-def test_served_deployment_rebuilds_then_executes_nothing(project, prefect_api):
+def test_served_deployment_rebuilds_then_executes_nothing(built_project, prefect_api):
     from prefect.artifacts import Artifact
     from prefect.deployments import run_deployment
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
+    project = built_project
+    set_param(project, ["quantize", "int4", "block_size"], 16)  # the nightly run has a variant to rebuild
     env = {**os.environ, "PREFECT_API_URL": prefect_api, "PREFECT_RUNNER_POLL_FREQUENCY": "1"}
     serving = subprocess.Popen(
         [sys.executable, "-m", "flows.scheduled", "serve", "--root", str(project), "--cron", "0 3 * * *"],
