@@ -226,9 +226,27 @@ def make_project(folder: Path, hf_dir: Path) -> Path:
 
 def copy_project(source: Path, dest: Path) -> Path:
     """A project folder copied whole (git, dvc.lock, workspace and DVC cache) but for DVC's own
-    locks and state under .dvc/tmp, which the copy rebuilds."""
+    locks and state under .dvc/tmp, which the copy rebuilds. Files hard-linked to each other (a
+    workspace output and its cache object, cache.type hardlink) stay one file in the copy, as a
+    build leaves them: the tests of those links read the copy."""
     top = source / ".dvc"
-    shutil.copytree(source, dest, symlinks=True, ignore=lambda folder, _: ["tmp"] if Path(folder) == top else [])
+    copied: dict[tuple[int, int], str] = {}
+
+    def copy_keeping_links(src: str, dst: str) -> str:
+        identity = (os.stat(src).st_dev, os.stat(src).st_ino)
+        if identity in copied:
+            os.link(copied[identity], dst)
+        else:
+            copied[identity] = shutil.copy2(src, dst)
+        return dst
+
+    shutil.copytree(
+        source,
+        dest,
+        symlinks=True,
+        ignore=lambda folder, _: ["tmp"] if Path(folder) == top else [],
+        copy_function=copy_keeping_links,
+    )
     return dest
 
 
