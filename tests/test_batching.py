@@ -3,6 +3,7 @@ running batch get exactly the tokens of a batch-1 run of each (greedy and seeded
 
 from __future__ import annotations
 
+import mmap
 import threading
 import time
 from pathlib import Path
@@ -264,20 +265,18 @@ def test_the_kv_budget_admits_what_fits_and_refuses_what_never_can(fp32_generato
 
 
 def resident_bytes(array: np.ndarray) -> int:
-    """The bytes of the memory map holding `array` that are in RAM now (/proc/self/smaps)."""
-    address, inside = array.ctypes.data, False
-    with open("/proc/self/smaps", encoding="ascii") as smaps:
-        for line in smaps:
-            head = line.split()[0]
-            if "-" in head and ":" not in head:
-                start, end = (int(part, 16) for part in head.split("-"))
-                inside = start <= address < end
-            elif inside and head == "Rss:":
-                return int(line.split()[1]) * 1024
-    raise AssertionError("the array's mapping is not in /proc/self/smaps")
+    """The bytes of `array`'s own pages that are in RAM now, from /proc/self/pagemap (bit 63:
+    present). Not the Rss of its mapping in /proc/self/smaps: the kernel merges neighbouring
+    anonymous maps with equal flags into one, so that Rss also counts other buffers' pages."""
+    page = mmap.PAGESIZE
+    first, last = array.ctypes.data // page, (array.ctypes.data + array.nbytes - 1) // page
+    with open("/proc/self/pagemap", "rb") as pagemap:
+        pagemap.seek(first * 8)
+        entries = np.frombuffer(pagemap.read((last - first + 1) * 8), dtype="<u8")
+    return int(((entries >> np.uint64(63)) & np.uint64(1)).sum()) * page
 
 
-@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads Linux's /proc/self/smaps")
+@pytest.mark.skipif(not Path("/proc/self/pagemap").exists(), reason="reads Linux's /proc/self/pagemap")
 def test_a_released_row_gives_its_memory_back(fp32_generator):
     batch = BatchDecoder(fp32_generator.session, slots=2, row_tokens=1024)
     keys = batch._arrays[0]  # noqa: SLF001 - the first layer's key buffer
