@@ -87,6 +87,9 @@ class TimedRuns:
     def rewind(self, cache, length: int):
         return self.inner.rewind(cache, length)
 
+    def runs_like_any(self, total: int) -> bool:
+        return self.inner.runs_like_any(total)
+
 
 def _generate_with_lookup(decoder, prompt: list[int], new_tokens: int, draft_tokens: int, decode_runs: list):
     """(first-token seconds, per-token seconds) for prompt lookup decoding. A run that yields k

@@ -34,7 +34,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ortforge import names
-from ortforge.decoder import Decoder
+from ortforge.decoder import Decoder, LengthDependentRope
 
 DEFAULT_ROW_TOKENS = 4096  # a graph that records no context length
 SHRINK_ARENA = "memory.enable_memory_arena_shrinkage"  # onnxruntime's run option
@@ -84,11 +84,16 @@ class BatchDecoder:
         prefill_chunk: int = 0,
         prefixes: PrefixCache | None = None,
         row_tokens: int | None = None,
+        rope: LengthDependentRope | None = None,
     ):
-        """row_tokens: the most tokens one row holds (prompt and reply); the model's context by default."""
+        """row_tokens: the most tokens one row holds (prompt and reply); the model's context by
+        default. rope: the model's length_dependent_rope (ortforge.decoder): a prompt that ends
+        past its limit runs whole, without a reused start, a run past it advances one row, and a
+        row first passing it is recomputed whole where the model's generate does so."""
         if slots < 1:
             raise ValueError(f"slots {slots} must be at least 1")
-        self.single = Decoder(session, prefill_chunk=prefill_chunk)  # the graph's facts, check_fits
+        # The graph's facts, check_fits and runs_like_any.
+        self.single = Decoder(session, prefill_chunk=prefill_chunk, rope=rope)
         if not self.single.shared:
             raise ValueError("this graph concatenates its KV cache (no shared buffers); it runs one sequence at a time")
         self.session, self.slots, self.prefill_chunk, self.prefixes = session, slots, prefill_chunk, prefixes
@@ -97,6 +102,7 @@ class BatchDecoder:
             raise ValueError(f"row_tokens {self.row_tokens} must be at least 1")
         self.lengths = [0] * slots  # tokens each row holds
         self.taken = [False] * slots  # a sequence holds the row (from begin to release)
+        self.row_ids: list[list[int]] = [[] for _ in range(slots)]  # until a recompute is past (rope)
         self._past = names.past_names(self.single.num_layers)
         self._present = names.present_names(self.single.num_layers)
         shape = (slots, self.single.kv_heads, self.row_tokens, self.single.cache_dim)
@@ -118,7 +124,8 @@ class BatchDecoder:
         """Fill a free row with a whole prompt; the last position's logits (vocab,)."""
         self.begin(row, token_ids)
         start = self.reuse_prefix(row, token_ids)
-        chunk = self.prefill_chunk or len(token_ids)
+        chunk = self.prefill_chunk if self.single.runs_like_any(len(token_ids)) else 0
+        chunk = chunk or len(token_ids)
         for piece in range(start, len(token_ids), chunk):
             logits = self.prefill_piece(row, token_ids[piece : piece + chunk], last=piece + chunk >= len(token_ids))
         self.finish(row, token_ids)
@@ -135,6 +142,12 @@ class BatchDecoder:
         self.single.check_fits(len(token_ids))
         self._check_room(len(token_ids))
         self.taken[row] = True
+        self.row_ids[row] = list(token_ids) if self._keeps_ids(len(token_ids)) else []
+
+    def _keeps_ids(self, length: int) -> bool:
+        """A row of this length may yet be recomputed whole at the rope limit: keep its tokens."""
+        rope = self.single.rope
+        return bool(rope and rope.recompute and length <= rope.limit)
 
     def prefill_piece(self, row: int, token_ids: list[int], last: bool = False) -> np.ndarray:
         """The next piece of the row's prompt; its last position's logits. last: the prompt's final
@@ -157,8 +170,9 @@ class BatchDecoder:
 
     def reuse_prefix(self, row: int, token_ids: list[int]) -> int:
         """Copy the longest cached start of the prompt into the row; how many tokens that was. The
-        last token always runs: its logits are the prefill's answer."""
-        if self.prefixes is None:
+        last token always runs: its logits are the prefill's answer. None for a prompt that must
+        run whole (past the model's rope limit)."""
+        if self.prefixes is None or not self.single.runs_like_any(len(token_ids)):
             return 0
         reused, arrays = self.prefixes.longest(token_ids[:-1])
         for array, cached in zip(self._arrays, arrays, strict=False):
@@ -180,15 +194,36 @@ class BatchDecoder:
         # (both are overwritten before they are read); either way its length stays.
         totals = np.array([self.lengths[r] + 1 for r in range(rows)], dtype=np.int64)
         ids = np.array([[tokens.get(r, 0)] for r in range(rows)], dtype=np.int64)
+        if not self.single.runs_like_any(int(totals.max())):
+            return {row: self._step_alone(row, token) for row, token in tokens.items()}
         mask = (np.arange(int(totals.max()))[None, :] < totals[:, None]).astype(np.int64)
         logits = self._run(ids, mask, totals[:, None] - 1, slice(0, rows))
-        for row in tokens:
+        for row, token in tokens.items():
             self.lengths[row] += 1
+            self._keep(row, token)
         return {row: logits[row, -1] for row in tokens}
+
+    def _keep(self, row: int, token: int) -> None:
+        if self._keeps_ids(self.lengths[row]):
+            self.row_ids[row].append(token)
+        else:
+            self.row_ids[row] = []
+
+    def _step_alone(self, row: int, token: int) -> np.ndarray:
+        """One token for one row in a run of that row only: the run is as long as the row, as the
+        reference's own step (a wider one would change a length-dependent rope's frequencies)."""
+        held, total = self.lengths[row], self.lengths[row] + 1
+        recompute = self.single.recomputes(held, 1)  # the whole row again, as its generate does
+        ids = np.array([[*self.row_ids[row], token] if recompute else [token]], dtype=np.int64)
+        positions = np.arange(total - ids.shape[1], total, dtype=np.int64)[None, :]
+        logits = self._run(ids, np.ones((1, total), dtype=np.int64), positions, slice(row, row + 1))
+        self.lengths[row] = total
+        self._keep(row, token)
+        return logits[0, -1]
 
     def release(self, row: int) -> None:
         """Free the row and hand its memory back: the pages it wrote leave the process's RSS."""
-        self.lengths[row], self.taken[row] = 0, False
+        self.lengths[row], self.taken[row], self.row_ids[row] = 0, False, []
         for array, region in self._maps:
             row_bytes = array.nbytes // self.slots
             start = -(-row * row_bytes // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages inside the row

@@ -15,11 +15,21 @@ carries, and the buffers here are only smaller (names.KV_CACHE_BITS_KEY says how
 
 The cache belongs to the decoder: a new empty_cache() starts a new sequence, rewind() cuts it back.
 A long prompt may run in chunks (prefill_chunk tokens each): same result, bounded activation memory.
+
+Same result, that is, while the rotary frequencies do not depend on how long a run is. LongRoPE
+(Phi-3.5, Phi-4-mini) takes its long factors, dynamic NTK rescales, once a run's total length
+passes the original context (length_dependent_rope): a chunk, a draft check, or a batched run
+wider than that computes its tokens with other frequencies than the reference's own runs (the
+whole prompt, then one token a step). Past the limit, such a model runs only those; and where
+transformers' generate recomputes a sequence's whole cache as it first passes the limit (Phi-3's
+family), so does the decoder, which keeps such a sequence's tokens until then.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
@@ -35,6 +45,12 @@ ORT_TO_NUMPY = {
     "tensor(uint8)": np.uint8,
 }
 INITIAL_CAPACITY = 256
+# rope_scaling types whose frequencies depend on the total length of the run (length_dependent_rope).
+LENGTH_DEPENDENT_ROPE = frozenset({"longrope", "su", "dynamic"})
+# Model types whose transformers generate drops a sequence's cache the first time it passes the
+# original context and recomputes it whole, so every key carries the long factors from then on
+# (Phi3ForCausalLM.prepare_inputs_for_generation, copied by PhiMoE and Phi-4-multimodal).
+RECOMPUTE_AT_ROPE_LIMIT = frozenset({"phi3", "phimoe", "phi4_multimodal"})
 NOT_PICKLABLE = (
     "an onnxruntime session cannot be pickled or sent to another process; create a TextGenerator "
     "(or Decoder) from the artifact folder inside each process instead"
@@ -47,6 +63,19 @@ class KVCache:
 
     length: int = 0
     values: list = field(default_factory=list)
+    # The sequence's tokens, kept only while a cache recomputed at the rope limit may need them
+    # (one list along a sequence; its first `length` entries are this cache's).
+    ids: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class LengthDependentRope:
+    """Rotary frequencies that change with a run's total length: a run up to `limit` tokens uses
+    the plain ones, a longer run others. recompute: the model's generate recomputes a sequence's
+    cache whole as it first passes the limit."""
+
+    limit: int
+    recompute: bool
 
 
 class Decoder:
@@ -56,9 +85,12 @@ class Decoder:
         head_dim: int | None = None,
         layout: str | None = None,
         prefill_chunk: int = 0,
+        rope: LengthDependentRope | None = None,
     ):
+        """rope: the model's length_dependent_rope (None: its frequencies never depend on a run)."""
         self.session = session
         self.prefill_chunk = prefill_chunk
+        self.rope = rope
         inputs = {i.name: i for i in session.get_inputs()}
         self.num_layers = sum(1 for name in inputs if name.startswith("past_key_values.") and name.endswith(".key"))
         if self.num_layers == 0 or names.INPUT_IDS not in inputs:
@@ -99,7 +131,8 @@ class Decoder:
     def for_artifact(cls, model_dir, settings: SessionSettings | None = None) -> Decoder:
         """A decoder over a new session for the artifact, with its measured settings by default."""
         settings = settings or SessionSettings.for_artifact(model_dir)
-        return cls(create_session(model_dir, settings), prefill_chunk=settings.prefill_chunk)
+        session = create_session(model_dir, settings)
+        return cls(session, prefill_chunk=settings.prefill_chunk, rope=length_dependent_rope(model_dir))
 
     def __reduce__(self):
         raise TypeError(NOT_PICKLABLE)
@@ -120,12 +153,26 @@ class Decoder:
         """
         ids = np.ascontiguousarray(np.asarray(token_ids, dtype=np.int64).reshape(1, -1))
         self.check_fits(cache.length + ids.shape[1])
+        if self.recomputes(cache.length, ids.shape[1]):
+            logits, cache = self.forward([*cache.ids[: cache.length], *ids[0].tolist()], self.empty_cache(), last_only)
+            return logits if last_only else logits[-ids.shape[1] :], cache
         chunk = self.prefill_chunk
-        if last_only and chunk and ids.shape[1] > chunk:
+        if last_only and chunk and ids.shape[1] > chunk and self.runs_like_any(cache.length + ids.shape[1]):
             *leading, ids = [ids[:, start : start + chunk] for start in range(0, ids.shape[1], chunk)]
             for piece in leading:  # their logits are not wanted: they only fill the cache
                 _, cache = self._run(np.ascontiguousarray(piece), cache, last_only=True)
         return self._run(np.ascontiguousarray(ids), cache, last_only)
+
+    def runs_like_any(self, total: int) -> bool:
+        """Whether a run that ends at `total` tokens computes its tokens as any other run would
+        (so prompt pieces, draft checks and batched rows may end there): always, but for a model
+        whose rotary frequencies change past its rope limit."""
+        return self.rope is None or total <= self.rope.limit
+
+    def recomputes(self, held: int, new: int) -> bool:
+        """Whether a run of `new` tokens after `held` recomputes the sequence whole: it is the first
+        to pass the rope limit of a model whose generate does so."""
+        return bool(self.rope and self.rope.recompute and 0 < held <= self.rope.limit < held + new)
 
     def check_fits(self, positions: int) -> None:
         """ValueError when a sequence of this many tokens is longer than the model's context."""
@@ -143,11 +190,11 @@ class Decoder:
         if length >= cache.length:
             return cache
         if self.shared:
-            return KVCache(length)
+            return KVCache(length, ids=cache.ids)
         values = [
             ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(v.numpy()[:, :, :length])) for v in cache.values
         ]
-        return KVCache(length, values)
+        return KVCache(length, values, cache.ids)
 
     def _run(self, ids: np.ndarray, cache: KVCache, last_only: bool) -> tuple[np.ndarray, KVCache]:
         start, total = cache.length, cache.length + ids.shape[1]
@@ -168,7 +215,16 @@ class Decoder:
                 binding.bind_output(present)
         self.session.run_with_iobinding(binding)
         outputs = binding.get_outputs()
-        return outputs[0].numpy()[0], KVCache(total, [] if self.shared else list(outputs[1:]))
+        return outputs[0].numpy()[0], KVCache(total, [] if self.shared else list(outputs[1:]), self._ids(cache, ids))
+
+    def _ids(self, cache: KVCache, ids: np.ndarray) -> list[int]:
+        """The sequence's tokens after this run, while a recompute at the rope limit may need them."""
+        if not (self.rope and self.rope.recompute) or cache.length + ids.shape[1] > self.rope.limit:
+            return []
+        kept = cache.ids
+        del kept[cache.length :]  # a rewound cache's dropped draft
+        kept += ids[0].tolist()
+        return kept
 
     def _reserve(self, total: int, keep: int) -> None:
         """Make room for total tokens: the mask always, the shared buffers when they are used."""
@@ -189,6 +245,24 @@ class Decoder:
                 self._binding.bind_ortvalue_input(past, value)
                 self._binding.bind_ortvalue_output(present, value)
         self._capacity = capacity
+
+
+def length_dependent_rope(model_dir: Path) -> LengthDependentRope | None:
+    """For a model whose rotary frequencies depend on the run's total length (its config's
+    rope_scaling type), the longest run that uses the plain ones: LongRoPE's original context,
+    past which it takes the long factors; dynamic NTK's trained context, past which it rescales.
+    None for every other model (and when the config cannot be read)."""
+    try:
+        config = json.loads((Path(model_dir) / names.MODEL_CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    scaling = config.get("rope_scaling") if isinstance(config, dict) else None
+    if not isinstance(scaling, dict) or (scaling.get("rope_type") or scaling.get("type")) not in LENGTH_DEPENDENT_ROPE:
+        return None
+    # transformers' dynamic_rope_update: the config's original context, else its trained one.
+    limit = config.get("original_max_position_embeddings") or config.get("max_position_embeddings")
+    limit = limit if isinstance(limit, int) and limit > 0 else 0  # unknown: every prompt whole
+    return LengthDependentRope(limit, config.get("model_type") in RECOMPUTE_AT_ROPE_LIMIT)
 
 
 def _head_dim(key, metadata: dict, given: int | None) -> int:

@@ -15,15 +15,13 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from ortforge.chat import chat_pieces, render_chat, stop_strings, until_stop
-from ortforge.decoder import NOT_PICKLABLE, Decoder
+from ortforge.decoder import NOT_PICKLABLE, Decoder, length_dependent_rope
 from ortforge.greedy import greedy_tokens
-from ortforge.names import GENERATION_CONFIG_FILE, MODEL_CONFIG_FILE
+from ortforge.names import GENERATION_CONFIG_FILE
 from ortforge.sampling import Sampling, sampled_tokens
 from ortforge.session import SessionSettings, create_session
 
 GREEDY = Sampling()
-# rope_scaling types whose frequencies depend on a run's total length (rope_needs_whole_prompts).
-LENGTH_DEPENDENT_ROPE = frozenset({"longrope", "su", "dynamic"})
 
 
 class IncrementalDetokenizer:
@@ -82,9 +80,8 @@ class TextGenerator:
         added = self.tokenizer.get_added_tokens_decoder().values()
         self._specials = [token.content for token in added if token.special]
         self.stop_ids = _eos_ids(model_dir / GENERATION_CONFIG_FILE)
-        self.whole_prompts = rope_needs_whole_prompts(model_dir)
-        # The measured chunk, unless pieces would see other rope frequencies than the whole prompt.
-        self.prefill_chunk = 0 if self.whole_prompts else self.settings.prefill_chunk
+        self.prefill_chunk = self.settings.prefill_chunk
+        self.rope = length_dependent_rope(model_dir)  # past its limit, prompts run whole (ortforge.decoder)
         self._per_thread = threading.local()
 
     def __reduce__(self):
@@ -95,7 +92,7 @@ class TextGenerator:
         """This thread's decoder over the shared session, created on first use."""
         decoder = getattr(self._per_thread, "decoder", None)
         if decoder is None:
-            decoder = self._per_thread.decoder = Decoder(self.session, prefill_chunk=self.prefill_chunk)
+            decoder = self._per_thread.decoder = Decoder(self.session, prefill_chunk=self.prefill_chunk, rope=self.rope)
         return decoder
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -190,21 +187,6 @@ class TextGenerator:
     ) -> Iterator[str]:
         """The assistant's reply to messages, streamed."""
         return self.stream_ids(self.encode_chat(messages), max_new_tokens, sampling, stop)
-
-
-def rope_needs_whole_prompts(model_dir: Path) -> bool:
-    """Whether the model's rotary frequencies depend on a run's total length (the config's
-    rope_scaling type): Phi-3.5's and Phi-4's LongRoPE picks its short or long factors per run,
-    dynamic NTK rescales per run, so a prompt run in pieces would be computed with other
-    frequencies than the same prompt run whole. Such a model prefills whole prompts."""
-    try:
-        config = json.loads((Path(model_dir) / MODEL_CONFIG_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    scaling = config.get("rope_scaling") if isinstance(config, dict) else None
-    if not isinstance(scaling, dict):
-        return False
-    return (scaling.get("rope_type") or scaling.get("type")) in LENGTH_DEPENDENT_ROPE
 
 
 def _eos_ids(path: Path) -> tuple[int, ...]:

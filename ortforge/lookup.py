@@ -76,6 +76,8 @@ def lookup_greedy_tokens(
                 return
         lookup.extend(pending)
         draft = lookup.draft(min(draft_tokens, max_new_tokens - produced - 1))
+        if not decoder.runs_like_any(cache.length + 1 + len(draft)):
+            draft = []  # past a length-dependent rope's limit only one-token steps are the reference's
         logits, cache = decoder.forward([pending[-1], *draft], cache, last_only=not draft)
         predicted = np.argmax(logits, axis=-1)
         accepted = accepted_prefix(predicted, draft)

@@ -169,15 +169,19 @@ class Scheduler:
         prefixes = PrefixCache(int(prefix_cache_mb * 1e6)) if prefix_cache_mb else None
         self.kv = KVBudget.sized(decoder.kv_bytes_per_token, decoder.context_length, slots, kv_cache_mb)
         if BatchDecoder.supports(generator.session):
-            self.batch = BatchDecoder(generator.session, slots, generator.prefill_chunk, prefixes, self.kv.row_tokens)
+            self.batch = BatchDecoder(
+                generator.session, slots, generator.prefill_chunk, prefixes, self.kv.row_tokens, generator.rope
+            )
             self.note = f"continuous batching over {slots} slots, KV budget {self.kv.megabytes:,.0f} MB" + (
                 f", prefix cache {prefix_cache_mb:g} MB" if prefixes else ""
             )
+            if generator.rope is not None:
+                self.note += f"; rows past {generator.rope.limit} tokens run alone (length-dependent rope)"
         else:
             self.batch = None
             self.note = "this graph has no shared KV buffers: one sequence per run, requests take turns"
         self.slots = slots if self.batch else 1
-        self.piece = 0 if generator.whole_prompts else (generator.prefill_chunk or PIECE_TOKENS)  # 0: whole
+        self.piece = generator.prefill_chunk or PIECE_TOKENS
         self.active: dict[int, Job] = {}  # row -> job, prefilling or decoding
         self.widest_step = 0  # the most rows one run has advanced together (for tests and stats)
         self.joined_running = 0  # jobs that joined while others were decoding
@@ -310,8 +314,6 @@ class Scheduler:
     def _prefill_allowance(self) -> int:
         """Prompt tokens to prefill before the next decode step: one piece while no row decodes,
         else what fits in prefill_share steps' time at the measured prefill speed."""
-        if not self.piece:
-            return 1 << 62  # whole prompts
         if not any(job.decoding for job in self.active.values()):
             return self.piece
         if self.step_seconds is None or self.prefill_token_seconds is None:
@@ -324,7 +326,9 @@ class Scheduler:
         prompt, row = job.prompt_ids, job.row
         if not job.filled:  # its first piece: a prompt prefilled meanwhile may share its start
             job.filled = self.batch.reuse_prefix(row, prompt)
-        size = min(_tokens_left(job), allowance, self.piece or _tokens_left(job))
+        size = min(_tokens_left(job), allowance, self.piece)
+        if not self.batch.single.runs_like_any(len(prompt)):  # past the model's rope limit: whole
+            size = _tokens_left(job)
         last = job.filled + size == len(prompt)
         started = time.perf_counter()
         try:

@@ -162,14 +162,15 @@ def build(family: str, folder: Path, text_path: Path, seed: int = 0, **overrides
     return folder
 
 
-def through_every_stage(family: str, root: Path, variants=("fp32", "int8", "int4")) -> dict:
-    """Build the family's tiny model through download, export (auto), optimize, reference, quantize
-    and validate (the tiny thresholds of tests/conftest.py); return the folders and the reports."""
+def through_every_stage(family: str, root: Path, variants=("fp32", "int8", "int4"), **overrides) -> dict:
+    """Build the family's tiny model (config values overridden) through download, export (auto),
+    optimize, reference, quantize and validate (the tiny thresholds of tests/conftest.py); return
+    the folders and the reports."""
     from tasks import download, export, optimize, quantize, reference, validate
     from tasks.core.params import Params
     from tests.conftest import EVAL_TEXT, tiny_params
 
-    params = Params.model_validate(tiny_params(build(family, root / "src", EVAL_TEXT)))
+    params = Params.model_validate(tiny_params(build(family, root / "src", EVAL_TEXT, **overrides)))
     out = {name: root / name for name in ("hf", "onnx", "optimized", "reference")}
     download.run(params.model("tiny"), out["hf"])
     export.run(params.export, "auto", out["hf"], out["onnx"])

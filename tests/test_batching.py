@@ -286,24 +286,3 @@ def test_a_released_row_gives_its_memory_back(fp32_generator):
     assert resident_bytes(keys) >= 0.9 * row_bytes
     batch.release(0)
     assert resident_bytes(keys) == 0
-
-
-def test_a_model_whose_rope_depends_on_the_run_length_prefills_whole_prompts(built, tmp_path):
-    """LongRoPE picks its factors from a run's total length: pieces would use other frequencies
-    than the whole prompt, so neither generate nor the scheduler cuts a prompt for such a model."""
-    import json
-    import shutil
-
-    from ortforge.session import SessionSettings
-
-    folder = tmp_path / "longrope"
-    shutil.copytree(built["fp32"], folder)
-    config = json.loads((folder / "config.json").read_text())
-    config["rope_scaling"] = {"type": "longrope", "short_factor": [1.0], "long_factor": [4.0]}
-    (folder / "config.json").write_text(json.dumps(config))
-    settings = SessionSettings(prefill_chunk=8)
-    generator = TextGenerator(folder, settings)
-    assert generator.whole_prompts and generator.prefill_chunk == 0 and generator.decoder.prefill_chunk == 0
-    scheduler = Scheduler(generator, slots=2)
-    assert scheduler.piece == 0 and scheduler.batch.prefill_chunk == 0
-    assert not TextGenerator(built["fp32"], settings).whole_prompts  # plain rope: the measured chunk stays

@@ -49,6 +49,9 @@ class CountingDecoder:
     def rewind(self, cache, length):
         return self.inner.rewind(cache, length)
 
+    def runs_like_any(self, total: int) -> bool:
+        return self.inner.runs_like_any(total)
+
 
 @pytest.fixture(scope="module", params=["genai", "optimum"])
 def fp32_dir(request, built, built_optimum):
