@@ -3,6 +3,7 @@ ${item.model}/${item.variant}; tests/test_contract.py checks that the two agree.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 PARAMS = Path("params.yaml")
@@ -85,3 +86,14 @@ def report_html(model: str) -> Path:
 
 def report_json(model: str) -> Path:
     return REPORTS / model / "report.json"
+
+
+def remote_code_allowed(hf_dir: Path) -> bool:
+    """Whether the user let the model's own Python run (models.<name>.trust_remote_code), as
+    download recorded it in the folder's SOURCE_FILE: every stage that loads the model gives the
+    same answer, so a model download accepted is never refused by a later stage."""
+    try:
+        record = json.loads((Path(hf_dir) / SOURCE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and record.get("trust_remote_code") is True

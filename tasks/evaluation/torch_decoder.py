@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tasks.core import resources
+from tasks.core import paths, resources
 
 # Float32 weights a PyTorch model may keep loaded whole. A larger model runs with its decoder
 # layers read from the checkpoint as they run (tasks/evaluation/layer_streaming.py): the same
@@ -20,17 +20,20 @@ def load_causal_lm(
     attention: str | None = None,
     layers: list[int] | None = None,
     resident_bytes: int = RESIDENT_BYTES,
-    trust_remote_code: bool = False,
+    trust_remote_code: bool | None = None,
     dtype: str = "float32",
 ):
     """The model in float32 (or dtype): loaded whole when it fits resident_bytes (and all layers
-    are asked for), else with its decoder layers streamed from the checkpoint."""
+    are asked for), else with its decoder layers streamed from the checkpoint. trust_remote_code:
+    None takes what download recorded (paths.remote_code_allowed)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from tasks.evaluation.layer_streaming import streamed_model
     from tasks.sources.checkpoint import Checkpoint
 
+    if trust_remote_code is None:
+        trust_remote_code = paths.remote_code_allowed(hf_dir)
     if layers is None and Checkpoint(hf_dir).float32_bytes() <= resident_bytes:
         options = {"attn_implementation": attention} if attention else {}
         return AutoModelForCausalLM.from_pretrained(

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ortforge.names import MODEL_CONFIG_FILE
+from tasks.core import paths
 from tasks.core.errors import StageError
 
 
@@ -32,21 +33,27 @@ class Architecture:
     rope_thetas: tuple[float, ...] = ()  # rotary bases (Gemma 3: a global and a local one)
 
 
-def read(hf_dir: Path, trust_remote_code: bool = False) -> Architecture:
-    """The dimensions of the model in hf_dir; StageError when its config lacks one we need."""
+def read(hf_dir: Path, trust_remote_code: bool | None = None) -> Architecture:
+    """The dimensions of the model in hf_dir; StageError when its config lacks one we need.
+    trust_remote_code: None takes what download recorded (paths.remote_code_allowed)."""
     from transformers import AutoConfig
 
     if not (Path(hf_dir) / MODEL_CONFIG_FILE).is_file():
         raise StageError(
             f"{hf_dir} has no {MODEL_CONFIG_FILE}; run the download stage first (dvc repro download@<model>)"
         )
+    if trust_remote_code is None:
+        trust_remote_code = paths.remote_code_allowed(hf_dir)
     try:
         full = AutoConfig.from_pretrained(hf_dir, trust_remote_code=trust_remote_code)
     except (KeyError, ValueError) as error:  # an unknown model_type, remote code not opted in
         first_sentence = " ".join(str(error).split()).split(". ")[0]
+        fix = "use a supported causal LM architecture"
+        if not trust_remote_code and '"auto_map"' in (Path(hf_dir) / MODEL_CONFIG_FILE).read_text(encoding="utf-8"):
+            fix = "it ships its own Python (auto_map): set models.<name>.trust_remote_code: true to run it"
         raise StageError(
             f"{hf_dir / MODEL_CONFIG_FILE}: transformers {installed_transformers()} cannot read it ({first_sentence}); "
-            f"use a supported causal LM architecture"
+            f"{fix}"
         ) from None
     return from_config(full, full.get_text_config(), hf_dir)
 
