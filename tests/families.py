@@ -97,14 +97,14 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     ),
     # Its token embedding is narrower than the hidden size and projected in and out (OPT-350M's layout).
     "opt": ("OPTConfig", "OPTForCausalLM", {"ffn_dim": 128, "word_embed_proj_dim": 32, "tie_word_embeddings": True}),
+    # ALiBi instead of rotary positions, and no max_position_embeddings (its trained context is used).
+    "bloom": ("BloomConfig", "BloomForCausalLM", {"n_layer": 2, "n_head": 4}),
 }
 # Families no exporter writes faithfully here: each export is refused in one line, with the
-# exporters' reasons (Falcon's new decoder architecture fails optimum's trace; Bloom's forward
-# takes no logits_to_keep, so the comparison with PyTorch cannot run; optimum exports StarCoder2
-# without a KV cache only, and genai's builder does not take it).
+# exporters' reasons (Falcon's new decoder architecture fails optimum's trace; optimum exports
+# StarCoder2 without a KV cache only, and genai's builder does not take it).
 REFUSED: dict[str, tuple[str, str, dict]] = {
     "falcon": ("FalconConfig", "FalconForCausalLM", {"new_decoder_architecture": True, "num_kv_heads": 2}),
-    "bloom": ("BloomConfig", "BloomForCausalLM", {"n_layer": 2, "n_head": 4}),
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {"sliding_window": SLIDING_WINDOW}),
 }
 GPT2_NAMES = {
@@ -116,6 +116,7 @@ GPT2_NAMES = {
     "max_position_embeddings",
     "pad_token_id",
 }
+BLOOM_ABSENT = {"max_position_embeddings", "num_key_value_heads", "intermediate_size"}
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
 # Weights' spread: larger than the default gives logits with real spread; routed models need more
 # still, or the greedy tokens of a tiny random model sit on near ties that any rounding flips.
@@ -132,6 +133,8 @@ def config_for(family: str, **overrides):
     values = dict(COMMON)
     if family == "gpt2":  # GPT-2 spells its dimensions itself and has no grouped KV heads
         values = {key: value for key, value in values.items() if key not in GPT2_NAMES}
+    if family == "bloom":  # ALiBi: Bloom's configs declare no position count (nor grouped KV heads)
+        values = {key: value for key, value in values.items() if key not in BLOOM_ABSENT}
     return getattr(transformers, config_class)(**(values | extra | overrides))
 
 

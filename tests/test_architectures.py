@@ -33,6 +33,7 @@ EXPECTED_EXPORTER = {
     "qwen2_moe": "ortforge",
     "qwen3_moe": "ortforge",
     "opt": "optimum",
+    "bloom": "optimum",
 }
 
 
@@ -158,3 +159,18 @@ def test_the_server_answers_with_the_runtime_tokens(family_build):
         with ThreadPoolExecutor(2) as pool:
             texts = list(pool.map(complete, prompts))
     assert texts == [generator.generate(prompt, 10) for prompt in prompts]
+
+
+def test_a_config_without_a_position_count_takes_its_familys_trained_context():
+    """Bloom's ALiBi configs declare no max_position_embeddings: its trained context stands in,
+    the user's config stays as it is; another family missing it is still asked to add it."""
+    from tasks.core.errors import StageError
+    from tasks.graphs import architecture
+
+    bloom = families.config_for("bloom")
+    assert getattr(bloom, "max_position_embeddings", None) is None
+    assert architecture.from_config(bloom, bloom).context_length == architecture.TRAINED_CONTEXT["bloom"]
+    llama = families.config_for("llama")
+    del llama.max_position_embeddings
+    with pytest.raises(StageError, match="declares no max_position_embeddings; add it"):
+        architecture.from_config(llama, llama)

@@ -3,6 +3,7 @@ ortforge.Decoder, so reference figures and the bench baseline run the same loops
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import numpy as np
@@ -79,6 +80,8 @@ class TorchDecoder:
         self.torch = torch
         self.model = load_causal_lm(hf_dir, attention, layers, resident_bytes)
         self.vocab_size = self.model.config.get_text_config().vocab_size
+        # Most forwards can skip the logits of positions nobody reads; some (Bloom's) take no such argument.
+        self.keeps_last = "logits_to_keep" in inspect.signature(self.model.forward).parameters
 
     def empty_cache(self):
         from transformers import DynamicCache
@@ -88,5 +91,7 @@ class TorchDecoder:
     def forward(self, token_ids, cache, last_only: bool = False):
         ids = self.torch.as_tensor(np.asarray(token_ids, dtype=np.int64).reshape(1, -1))
         with self.torch.inference_mode():
-            out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=int(last_only))
-        return out.logits[0].float().numpy(), out.past_key_values
+            keep = {"logits_to_keep": int(last_only)} if self.keeps_last else {}
+            out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, **keep)
+        logits = out.logits[0, -1:] if last_only else out.logits[0]
+        return logits.float().numpy(), out.past_key_values

@@ -58,6 +58,11 @@ def read(hf_dir: Path, trust_remote_code: bool | None = None) -> Architecture:
     return from_config(full, full.get_text_config(), hf_dir)
 
 
+# Positions a family was trained on where its config has no max_position_embeddings: ALiBi needs
+# no position table, so Bloom's configs never declare one (BLOOM's paper: 2,048-token sequences).
+TRAINED_CONTEXT = {"bloom": 2048}
+
+
 def from_config(full, config, hf_dir: Path | str = "<config>") -> Architecture:
     """The dimensions of a loaded config (full) and its text model's config."""
     heads = _required(config, "num_attention_heads", hf_dir)
@@ -71,7 +76,7 @@ def from_config(full, config, hf_dir: Path | str = "<config>") -> Architecture:
         num_heads=heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=getattr(config, "head_dim", None) or hidden // heads,
-        context_length=_required(config, "max_position_embeddings", hf_dir),
+        context_length=_context_length(config, hf_dir),
         vocab_size=_required(config, "vocab_size", hf_dir),
         tied_embeddings=bool(getattr(full, "tie_word_embeddings", False)),
         sliding_window=getattr(config, "sliding_window", None),
@@ -97,8 +102,16 @@ def installed_transformers() -> str:
     return transformers.__version__
 
 
+def _context_length(config, hf_dir: Path) -> int:
+    """max_position_embeddings, or the family's trained context where its configs declare none."""
+    if getattr(config, "max_position_embeddings", None) is None and config.model_type in TRAINED_CONTEXT:
+        return TRAINED_CONTEXT[config.model_type]
+    return _required(config, "max_position_embeddings", hf_dir)
+
+
 def _required(config, name: str, hf_dir: Path) -> int:
     value = getattr(config, name, None)
     if not isinstance(value, int) or value <= 0:
-        raise StageError(f"{hf_dir / MODEL_CONFIG_FILE} ({config.model_type}) declares no {name}; add it to the config")
+        where = Path(hf_dir) / MODEL_CONFIG_FILE
+        raise StageError(f"{where} ({config.model_type}) declares no {name}; add it to the config")
     return value
