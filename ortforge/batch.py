@@ -170,7 +170,7 @@ class BatchDecoder:
 
     def reuse_prefix(self, row: int, token_ids: list[int]) -> int:
         """Copy the longest cached start of the prompt into the row; how many tokens that was. The
-        last token always runs: its logits are the prefill's answer. None for a prompt that must
+        last token always runs: its logits are the prefill's answer. Nothing for a prompt that must
         run whole (past the model's rope limit)."""
         if self.prefixes is None or not self.single.runs_like_any(len(token_ids)):
             return 0
