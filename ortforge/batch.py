@@ -142,12 +142,7 @@ class BatchDecoder:
         self.single.check_fits(len(token_ids))
         self._check_room(len(token_ids))
         self.taken[row] = True
-        self.row_ids[row] = list(token_ids) if self._keeps_ids(len(token_ids)) else []
-
-    def _keeps_ids(self, length: int) -> bool:
-        """A row of this length may yet be recomputed whole at the rope limit: keep its tokens."""
-        rope = self.single.rope
-        return bool(rope and rope.recompute and length <= rope.limit)
+        self.row_ids[row] = list(token_ids) if self.single.keeps_tokens(len(token_ids)) else []
 
     def prefill_piece(self, row: int, token_ids: list[int], last: bool = False) -> np.ndarray:
         """The next piece of the row's prompt; its last position's logits. last: the prompt's final
@@ -204,7 +199,7 @@ class BatchDecoder:
         return {row: logits[row, -1] for row in tokens}
 
     def _keep(self, row: int, token: int) -> None:
-        if self._keeps_ids(self.lengths[row]):
+        if self.single.keeps_tokens(self.lengths[row]):
             self.row_ids[row].append(token)
         else:
             self.row_ids[row] = []

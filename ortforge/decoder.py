@@ -169,6 +169,11 @@ class Decoder:
         whose rotary frequencies change past its rope limit."""
         return self.rope is None or total <= self.rope.limit
 
+    def keeps_tokens(self, total: int) -> bool:
+        """Whether a sequence of `total` tokens may yet be recomputed whole at the rope limit, so
+        its tokens are kept (for the decoder's cache and BatchDecoder's rows alike)."""
+        return bool(self.rope and self.rope.recompute and total <= self.rope.limit)
+
     def recomputes(self, held: int, new: int) -> bool:
         """Whether a run of `new` tokens after `held` recomputes the sequence whole: it is the first
         to pass the rope limit of a model whose generate does so."""
@@ -219,7 +224,7 @@ class Decoder:
 
     def _ids(self, cache: KVCache, ids: np.ndarray) -> list[int]:
         """The sequence's tokens after this run, while a recompute at the rope limit may need them."""
-        if not (self.rope and self.rope.recompute) or cache.length + ids.shape[1] > self.rope.limit:
+        if not self.keeps_tokens(cache.length + ids.shape[1]):
             return []
         kept = cache.ids
         del kept[cache.length :]  # a rewound cache's dropped draft
