@@ -38,8 +38,6 @@ COMMANDS = {
     "structured.json": "python benchmarks/structured.py",
     "kernels.json": "python benchmarks/kernels.py",
     "load_peers.json": "python benchmarks/load_peers.py",
-    "task_ab-smollm2-135m.json": "python benchmarks/task_ab.py --model smollm2-135m",
-    "task_ab-gemma3-270m.json": "python benchmarks/task_ab.py --model gemma3-270m",
 }
 
 

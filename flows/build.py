@@ -5,12 +5,14 @@ DVC decides what needs work (one cache, not two); the flow decides what may run 
     download@M (retried)  ->  export@M, optimize@M, reference@M   (per model, models in parallel)
                           ->  quantize@M-V, validate@M-V          (per variant, all in parallel)
                           ->  bench@M-V                           (one at a time, machine-wide)
+                          ->  evaluate@M-V                        (per variant, in parallel, between benches)
                           ->  report@M, published as a Prefect markdown artifact
 
 Each step runs `dvc repro --single-item` on its own stages, after the steps it needs, so no two DVC
 processes ever want the same stage (DVC's "is busy" lock error cannot occur), and DVC records each
 stage in dvc.lock as usual. Benchmarks run one at a time: timings taken while other stages load the
-same cores would be noise. A final plain `dvc repro` confirms nothing is left to do.
+same cores would be noise, so no evaluate (task A/B) runs beside one either. A final plain
+`dvc repro` confirms nothing is left to do.
 
 Threads on this machine by default; `--dask tcp://scheduler:8786` (or ORTFORGE_DASK_ADDRESS) sends
 the steps to a Dask cluster whose workers share this repository (a shared file system) and the DVC
@@ -66,6 +68,11 @@ def bench(root: Path, model: str, variants: list[str]) -> list[str]:
 
 
 @task(cache_policy=NO_CACHE)
+def evaluate(root: Path, model: str, name: str) -> list[str]:
+    return reproduce(root, [f"evaluate@{model}-{name}"], "--single-item")
+
+
+@task(cache_policy=NO_CACHE)
 def report(root: Path, model: str) -> list[str]:
     """The model's report; published with the metrics diff against the last commit."""
     executed = reproduce(root, [f"report@{model}"], "--single-item")
@@ -96,12 +103,16 @@ def build(root: Path = Path("."), models: list[str] | None = None) -> dict[str, 
                 steps[f"variant@{model}-{name}"] = variant.submit(
                     root, model, name, wait_for=[steps[f"shared@{model}"]]
                 )
-        previous_bench = []
+        previous = []  # the last model's bench and task answers: the next bench waits for them
         for model in names:
-            upstream = [steps[f"variant@{model}-{name}"] for name in variants[model]] + previous_bench
+            upstream = [steps[f"variant@{model}-{name}"] for name in variants[model]] + previous
             steps[f"bench@{model}"] = bench.submit(root, model, variants[model], wait_for=upstream)
-            previous_bench = [steps[f"bench@{model}"]]
-            steps[f"report@{model}"] = report.submit(root, model, wait_for=previous_bench)
+            benched = [steps[f"bench@{model}"]]
+            previous = list(benched)
+            for name in variants[model]:
+                steps[f"evaluate@{model}-{name}"] = evaluate.submit(root, model, name, wait_for=benched)
+                previous.append(steps[f"evaluate@{model}-{name}"])
+            steps[f"report@{model}"] = report.submit(root, model, wait_for=previous)
         executed = {step: future.result() for step, future in steps.items()}
         executed["check"] = reproduce(root, [f"report@{model}" for model in names])
     ran = sorted({stage for stages in executed.values() for stage in stages})

@@ -93,6 +93,7 @@ def named_paths(params) -> list[tuple[str, Path]]:
     """Every file or folder params.yaml names, with its key: the sources and the texts."""
     named = [(f"models.{name}.source.path", spec.source.path) for name, spec in params.models.items()]
     named += [(f"validate.eval.texts[{index}]", text) for index, text in enumerate(params.validation.eval.texts)]
+    named += [(f"tasks.sets.{name}.file", spec.file) for name, spec in params.tasks.sets.items()]
     return named + [("calibration.text", params.calibration.text), ("bench.text", params.bench.text)]
 
 
@@ -104,6 +105,15 @@ def check_named_paths(root: Path, params) -> None:
             raise StageError(
                 f"params.yaml {key}: {path} does not exist; fix the path (relative to the repository root)"
             )
+
+
+def check_task_sets(root: Path, params) -> None:
+    """Every task set's rows, read as evaluate reads them: a bad row stops the build before any
+    stage, naming its file and line (evaluate would say the same after the model's whole build)."""
+    from tasks.evaluation.task_sets import load
+
+    for name, spec in params.tasks.sets.items():
+        load(name, spec.kind, Path(root) / spec.file)
 
 
 def config_before_download(root: Path, name: str, spec) -> Path | None:
@@ -167,11 +177,12 @@ def check_block_sizes(root: Path, params) -> None:
 
 def before_build(root: Path, say: Callable[[str], object] = _warn) -> None:
     """StageError (one line) when the params are invalid, name a path that does not exist, ask
-    blocks a model's widths cannot hold, or an output cannot be written; cache objects written in
-    place are dropped, saying so."""
+    blocks a model's widths cannot hold, name a task set with a bad row, or an output cannot be
+    written; cache objects written in place are dropped, saying so."""
     params = load_params(Path(root) / paths.PARAMS)
     check_named_paths(root, params)
     check_block_sizes(root, params)
+    check_task_sets(root, params)
     cache_links.remove_damaged(Path(root), say)
     tidy(root)
     for output in output_paths(root):

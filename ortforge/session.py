@@ -28,6 +28,17 @@ GRAPH_LEVELS = {
 }
 
 
+_said_untuned: set[Path] = set()  # runtime.json files whose settings this process already declined
+
+
+def tuned_for(tuned_on: dict, here: dict) -> bool:
+    """Settings measured on tuned_on hold here: the same CPU model (a probe may record no name) with
+    every feature they were measured with; a feature found only here (a newer probe, a newer
+    kernel) changes nothing they chose."""
+    same_model = tuned_on.get("cpu") in (None, here["cpu"])
+    return same_model and set(tuned_on["features"]) <= set(here["features"])
+
+
 @dataclass(frozen=True)
 class SessionSettings:
     intra_op_threads: int = 0  # 0: ONNX Runtime picks one thread per physical core
@@ -57,20 +68,26 @@ class SessionSettings:
 
     @classmethod
     def for_artifact(cls, model_dir: Path) -> SessionSettings:
-        """The settings the bench stage measured best for this artifact, or the defaults: also when
-        they were measured on a CPU with other instruction-set features than this one."""
+        """The settings the bench stage measured best for this artifact, or the defaults when they
+        were measured on another CPU model or on one missing a feature this one has not (said once
+        per process and file)."""
         path = runtime_config(model_dir)
         if not path.is_file():
             return cls()
         recorded = json.loads(path.read_text(encoding="utf-8"))
         tuned_on, here = recorded.get("machine"), machine.describe()
-        if tuned_on is not None and set(tuned_on["features"]) != set(here["features"]):
-            log.warning(
-                "%s was tuned on a CPU with features %s, this one has %s; using onnxruntime's default settings",
-                path.name,
-                "+".join(tuned_on["features"]) or "none",
-                "+".join(here["features"]) or "none",
-            )
+        if tuned_on is not None and not tuned_for(tuned_on, here):
+            if path.resolve() not in _said_untuned:
+                _said_untuned.add(path.resolve())
+                log.warning(
+                    "%s was tuned on %s with features %s, this machine is %s with %s; using onnxruntime's default "
+                    "settings (ortforge bench measures them here)",
+                    path.name,
+                    tuned_on.get("cpu", "an unnamed CPU"),
+                    "+".join(tuned_on["features"]) or "none",
+                    here["cpu"],
+                    "+".join(here["features"]) or "none",
+                )
             return cls()
         return cls.from_dict(recorded["session"])
 

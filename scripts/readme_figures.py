@@ -32,11 +32,10 @@ from benchmarks import (  # noqa: E402
     refresh,
     scale,
     step_profile,
-    task_ab,
 )
 from benchmarks import structured as structured_bench  # noqa: E402
 from benchmarks.side_by_side import chain_table, quality_table, table  # noqa: E402
-from tasks.reporting import gates  # noqa: E402
+from tasks.reporting import gates, task_ab  # noqa: E402
 
 README = REPO / "README.md"
 RESULTS = REPO / "benchmarks" / "results"
@@ -413,8 +412,8 @@ RENDERERS = {
     "structured": structured,
     "kernels": kernel_rows,
     "load-peers": load_peers_tables,
-    "task-ab-smollm2-135m": lambda: task_ab.table(_json(task_ab.result_file("smollm2-135m"))),
-    "task-ab-gemma3-270m": lambda: task_ab.table(_json(task_ab.result_file("gemma3-270m"))),
+    "task-ab-smollm2-135m": lambda: task_ab.table(_json(REPO / "reports" / "smollm2-135m" / "report.json")["tasks"]),
+    "task-ab-gemma3-270m": lambda: task_ab.table(_json(REPO / "reports" / "gemma3-270m" / "report.json")["tasks"]),
     "load-peers-goals": lambda: "\n".join(f"- {g}" for g in load_peers.goals(_json(RESULTS / "load_peers.json"))),
 }
 

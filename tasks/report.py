@@ -1,11 +1,14 @@
 """One table and one plot across a model's variants: quality against size and decode speed, the
 Pareto front, and the variant a rule in params.yaml recommends.
 
-Reads reports/<model>/variants/<variant>/{validate,bench}.json for the variants in params.yaml
-`quantize` and params.yaml `report`; writes reports/<model>/report.md, report.png and report.json
+Reads reports/<model>/variants/<variant>/{validate,bench,tasks}.json for the variants in params.yaml
+`quantize` and params.yaml `report` and `tasks`; writes reports/<model>/report.md, report.png and report.json
 (the recommendation, the front and every validation gate, for scripts) and report.html (tables and
 plots in one offline page). Every gate of every variant is shown with its limit and margin, failed
-variants included (tasks/reporting/gates.py); only passing variants reach the results table.
+variants included (tasks/reporting/gates.py); only passing variants reach the results table. The
+task A/B sets each passing variant's answers beside the reference's, with the task gate
+(tasks/reporting/task_ab.py); with `report.require_task_gate` only a variant that passes it is
+recommended.
 """
 
 from __future__ import annotations
@@ -16,9 +19,9 @@ from pathlib import Path
 
 from tasks.core import paths
 from tasks.core.files import atomic_write_json, atomic_write_text, read_json
-from tasks.core.params import ReportConfig
+from tasks.core.params import ReportConfig, TasksConfig
 from tasks.core.stage import StageError, stage_cli
-from tasks.reporting import gates, html, load
+from tasks.reporting import gates, html, load, task_ab
 
 log = logging.getLogger(__name__)
 
@@ -123,9 +126,12 @@ def pareto_front(rows: list[Row]) -> list[str]:
     return [row.variant for row in rows if not any(dominates(other, row) for other in rows)]
 
 
-def recommend(rows: list[Row], cfg: ReportConfig) -> Row | None:
-    """The best variant by cfg.recommend_by among those within cfg.max_ppl_ratio."""
+def recommend(rows: list[Row], cfg: ReportConfig, passed_tasks: set[str]) -> Row | None:
+    """The best variant by cfg.recommend_by among those within cfg.max_ppl_ratio and, with
+    cfg.require_task_gate, among passed_tasks (the variants that pass the task gate)."""
     eligible = [row for row in rows if row.ppl_ratio <= cfg.max_ppl_ratio]
+    if cfg.require_task_gate:
+        eligible = [row for row in eligible if row.variant in passed_tasks]
     if not eligible:
         return None
     higher_is_better = cfg.recommend_by == "decode_tokens_per_second"
@@ -145,13 +151,11 @@ def markdown(
         "decode ms p50 / p95 | first token ms p50 | peak RSS MB | decode x baseline | KV bytes/token |"
     )
     lines = [f"# {model}", ""]
+    rule = f"perplexity x{cfg.max_ppl_ratio}" + (" and passing the task gate" if cfg.require_task_gate else "")
     if best is not None:
-        lines += [
-            f"**Recommended: {best.variant}**: best {cfg.recommend_by} within perplexity x{cfg.max_ppl_ratio}.",
-            "",
-        ]
+        lines += [f"**Recommended: {best.variant}**: best {cfg.recommend_by} within {rule}.", ""]
     else:
-        lines += [f"No variant is within perplexity x{cfg.max_ppl_ratio}; none is recommended.", ""]
+        lines += [f"No variant is within {rule}; none is recommended.", ""]
     lines += [header, "|" + "---|" * 14]
     for row in rows + ([baseline] if baseline else []):
         mark = "yes" if row.variant in front else ("-" if row is baseline else "")
@@ -233,13 +237,19 @@ def plot(model: str, rows: list[Row], baseline: Row | None, front: list[str], be
     tmp.replace(path)
 
 
-def run(model: str, variants: list[str], cfg: ReportConfig, reports_dir: Path, out: dict[str, Path]) -> dict:
+def run(
+    model: str, variants: list[str], cfg: ReportConfig, tasks: TasksConfig, reports_dir: Path, out: dict[str, Path]
+) -> dict:
     rows, baseline, workload, failed = collect(reports_dir, variants)
-    front, best = pareto_front(rows), recommend(rows, cfg)
+    validations = {variant: read_validation(reports_dir / variant, variant) for variant in variants}
+    answers = task_ab.read_answers(reports_dir, [row.variant for row in rows])
+    comparison = task_ab.compare(answers, validations, tasks)
+    passed_tasks = {row.variant for row in rows if task_ab.passes(comparison, row.variant)}
+    front, best = pareto_front(rows), recommend(rows, cfg, passed_tasks)
     loads = {row.variant: read_json(reports_dir / row.variant / "bench.json").get("concurrency", {}) for row in rows}
     shown = best or rows[0]
-    validations = {variant: read_validation(reports_dir / variant, variant) for variant in variants}
     text = markdown(model, rows, baseline, front, best, cfg, workload, failed)
+    text += "\n".join(task_ab.markdown(comparison)) + "\n"
     text += "\n".join(load.markdown(shown.variant, loads[shown.variant], workload)) + "\n"
     text += "\n".join(gates.markdown(model, validations)) + "\n"
     atomic_write_text(out["md"], text)
@@ -254,6 +264,7 @@ def run(model: str, variants: list[str], cfg: ReportConfig, reports_dir: Path, o
         "variants": {row.variant: asdict(row) for row in rows},
         "failed_validation": failed,
         "validation": gates.summary(validations),
+        "tasks": comparison,
         "under_load": {shown.variant: loads[shown.variant]},
     }
     atomic_write_json(out["json"], summary)
@@ -273,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     }
 
     def body(a):
-        run(a.model, a.params.variants_of(a.model), a.params.report, a.paths["reports"], a.paths)
+        run(a.model, a.params.variants_of(a.model), a.params.report, a.params.tasks, a.paths["reports"], a.paths)
 
     return stage_cli("report", __doc__, flags, body, argv)
 

@@ -111,7 +111,18 @@ TINY_PARAMS = {
             },
         },
     },
-    "report": {"recommend_by": "decode_tokens_per_second", "max_ppl_ratio": 1.1},
+    # The shipped sets, their first rows only: the tiny random model answers them as noise.
+    "tasks": {
+        "sets": {
+            "chat_qa": {"kind": "qa", "file": "data/tasks/chat_qa.jsonl"},
+            "classify": {"kind": "choice", "file": "data/tasks/classify.jsonl"},
+            "summarize": {"kind": "instruct", "file": "data/tasks/summarize.jsonl"},
+        },
+        "limit": 3,
+        "reference": "fp32",
+        "gates": {"min_score_retention": 0.95, "min_choice_agreement": 0.9},
+    },
+    "report": {"recommend_by": "decode_tokens_per_second", "max_ppl_ratio": 1.1, "require_task_gate": True},
     "bench": {
         "text": str(EVAL_TEXT),
         "prompt_tokens": 16,

@@ -35,6 +35,10 @@ def expected_paths(stage: str, model: str, variant: str | None) -> tuple[set[Pat
             {var, stamp, hf} if variant else set(),
             {paths.bench_json(model, variant), paths.runtime_config(model, variant)} if variant else set(),
         ),
+        "evaluate": (
+            {var, stamp, paths.runtime_config(model, variant)} if variant else set(),
+            {paths.tasks_json(model, variant)} if variant else set(),
+        ),
         "report": (
             {paths.variant_reports(model)},
             {
@@ -62,7 +66,7 @@ def split_address(stage) -> tuple[str, str, str | None]:
     from tasks.core.params import load_params
 
     name, _, item = stage.addressing.partition("@")
-    if name in ("quantize", "validate", "bench"):
+    if name in ("quantize", "validate", "bench", "evaluate"):
         for model in load_params(REPO / "params.yaml").models:
             if item.startswith(model + "-"):
                 return name, model, item[len(model) + 1 :]
@@ -87,7 +91,8 @@ def test_dvc_paths_match_paths_module(dvc_stages):
         assert declared_outs == outputs, stage.addressing
         assert inputs <= declared_deps, stage.addressing
         for path in inputs | outputs:  # every path reaches the command explicitly, or is derived
-            derived = path.name.endswith(".valid.json")  # the stamp sits beside the variant folder
+            # the stamp and the tuned settings sit beside the variant folder
+            derived = path.name.endswith((".valid.json", ".runtime.json"))
             assert derived or f" {path.as_posix()}" in stage.cmd, (stage.addressing, path)
 
 
@@ -176,13 +181,16 @@ def test_flow_targets_name_real_stages(dvc_stages):
 def test_measured_outputs_live_in_git_not_the_cache(dvc_stages):
     """bench's tuned settings are a measurement: a rebuild cannot reproduce the committed file, so a
     CI cache filled by another build would never hold it and bench would rerun on every restore.
-    Kept out of the cache and in git, they come with the checkout."""
+    evaluate's answers likewise (another CPU's kernels may break a near-tie another way). Kept out
+    of the cache and in git, they come with the checkout."""
     import subprocess
 
+    measured = {"bench": ".runtime.json", "evaluate": "tasks.json"}
     for stage in dvc_stages:
-        if split_address(stage)[0] != "bench":
+        name = split_address(stage)[0]
+        if name not in measured:
             continue
-        (out,) = [out for out in stage.outs if out.def_path.endswith(".runtime.json")]
-        assert not out.use_cache, stage.addressing
+        (out,) = [out for out in stage.outs if out.def_path.endswith(measured[name])]
+        assert not out.use_cache and out.persist, stage.addressing
         ignored = subprocess.run(["git", "check-ignore", "-q", out.def_path], cwd=REPO)
         assert ignored.returncode == 1, f"{out.def_path} is git-ignored; it must be committed"

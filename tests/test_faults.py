@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from flows.dvc import BUILD_LOCK
+from ortforge import machine
 from ortforge.session import SessionSettings, runtime_config
 from tests.conftest import REPO, dvc, fresh_clone, set_param, tiny_params, write_params
 
@@ -67,10 +68,30 @@ def test_runtime_ignores_settings_tuned_on_a_cpu_with_other_features(built, tmp_
     runtime_config(variant).write_text(json.dumps(tuned | {"machine": {"cpu": "elsewhere", "features": ["amx_int8"]}}))
     with caplog.at_level(logging.WARNING, logger="ortforge.session"):
         assert SessionSettings.for_artifact(variant) == SessionSettings()
+        assert SessionSettings.for_artifact(variant) == SessionSettings()  # said once per process
     [record] = caplog.records
-    assert "was tuned on a CPU with features amx_int8" in record.getMessage() and "\n" not in record.getMessage()
+    said = record.getMessage()
+    assert "was tuned on elsewhere with features amx_int8" in said and "ortforge bench" in said and "\n" not in said
     runtime_config(variant).write_text(json.dumps(tuned))  # no machine recorded: trusted as before
     assert SessionSettings.for_artifact(variant).graph_level == "basic"
+
+
+def test_runtime_keeps_settings_tuned_on_the_same_cpu_model_with_fewer_features(built, tmp_path, caplog):
+    """A probe that finds one more flag on the same CPU model (avx_vnni beside avx512_vnni) keeps
+    the tuned settings and says nothing; a missing feature or another model does not."""
+    variant = tmp_path / "int4"
+    shutil.copytree(built["int4"], variant)
+    here = machine.describe()
+    tuned = {"session": SessionSettings(intra_op_threads=1, graph_level="basic").to_dict()}
+    with caplog.at_level(logging.WARNING, logger="ortforge.session"):
+        for recorded, kept in (
+            ({"cpu": here["cpu"], "features": here["features"][:-1]}, True),
+            ({"cpu": here["cpu"], "features": [*here["features"], "amx_tile"]}, False),
+            ({"cpu": here["cpu"] + " v2", "features": here["features"]}, False),
+        ):
+            runtime_config(variant).write_text(json.dumps(tuned | {"machine": recorded}))
+            assert (SessionSettings.for_artifact(variant).graph_level == "basic") is kept, recorded
+    assert len(caplog.records) == 1  # the two declined: one file, said once
 
 
 @pytest.mark.e2e

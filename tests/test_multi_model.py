@@ -17,7 +17,9 @@ VARIANTS = ("fp32", "int8", "int4")
 
 def stages_of(model: str) -> set[str]:
     shared = {f"{stage}@{model}" for stage in ("download", "export", "optimize", "reference", "report")}
-    return shared | {f"{stage}@{model}-{v}" for stage in ("quantize", "validate", "bench") for v in VARIANTS}
+    return shared | {
+        f"{stage}@{model}-{v}" for stage in ("quantize", "validate", "bench", "evaluate") for v in VARIANTS
+    }
 
 
 def test_adding_a_model_touches_only_params_and_only_its_stages_are_stale(pushed, tiny_qwen_hf):

@@ -111,6 +111,20 @@ BAD_PARAMS = [
         lambda p: p["builds"].update({"tiny-x": {"model": "tiny", "variant": "int4"}}),
         "builds.tiny-x: the key must be `tiny-int4` (model-variant)",
     ),
+    (
+        lambda p: p["tasks"]["sets"]["chat_qa"].update(file="/tmp/qa.jsonl"),
+        "tasks.sets.chat_qa: file /tmp/qa.jsonl is not under data/tasks/, the folder dvc.yaml tracks for evaluate",
+    ),
+    (
+        lambda p: p["tasks"]["sets"]["chat_qa"].update(kind="trivia"),
+        "tasks.sets.chat_qa.kind: Input should be 'qa', 'choice' or 'instruct'",
+    ),
+    (lambda p: p["tasks"].update(reference="fp64"), "tasks.reference `fp64` is not in `quantize`"),
+    (lambda p: p["tasks"].update(limit=0), "tasks.limit: Input should be greater than or equal to 1"),
+    (
+        lambda p: p["report"].update(require_task_gate="yes"),
+        "report.require_task_gate: Input should be a valid boolean",
+    ),
 ]
 
 

@@ -7,8 +7,9 @@ import json
 import pytest
 
 from tasks import report
-from tasks.core.params import ReportConfig
+from tasks.core.params import ReportConfig, TasksConfig
 from tasks.core.stage import StageError
+from tasks.evaluation import task_scores
 
 # variant: (ppl ratio, size MB, decode tokens/s)
 FIGURES = {
@@ -93,6 +94,30 @@ def fake_reports(folder, figures=FIGURES):
         }
         (folder / variant / "validate.json").write_text(json.dumps(validation))
         (folder / variant / "bench.json").write_text(json.dumps(bench))
+        fake_answers(folder, variant)
+
+
+QA_ITEMS = 20  # the reference answers 16 right
+
+
+def fake_answers(folder, variant, qa_right: int = 16, choices_changed: int = 0):
+    """evaluate's tasks.json: a qa set (the first qa_right of QA_ITEMS right) and a choice set of
+    20 items (the reference's choice but for the first choices_changed)."""
+    ids = [f"q{i:02d}" for i in range(QA_ITEMS)]
+    right = {i: n < qa_right for n, i in enumerate(ids)}
+    qa = {
+        "kind": "qa", "file": "data/tasks/qa.jsonl", "items": QA_ITEMS,
+        "answers": {i: "Paris" if right[i] else "Lyon" for i in ids}, "right": right,
+        "score": task_scores.share(list(right.values())).record(),
+    }  # fmt: skip
+    picked = {f"c{n:02d}": (n % 2) ^ (n < choices_changed) for n in range(20)}
+    choice_right = {i: pick == int(i[1:]) % 2 for i, pick in picked.items()}
+    choice = {
+        "kind": "choice", "file": "data/tasks/choice.jsonl", "items": 20, "answers": picked, "right": choice_right,
+        "score": task_scores.share(list(choice_right.values())).record(),
+    }  # fmt: skip
+    record = {"sets": {"qa": qa, "choice": choice}, "chat_template": False, "session": {}, "seconds": 1.0}
+    (folder / variant / "tasks.json").write_text(json.dumps(record))
 
 
 def report_outputs(folder):
@@ -106,7 +131,7 @@ def outputs(tmp_path):
 
 def test_run_marks_front_and_recommends_by_rule(tmp_path, outputs):
     fake_reports(tmp_path / "variants")
-    summary = report.run("tiny", list(FIGURES), ReportConfig(), tmp_path / "variants", outputs)
+    summary = report.run("tiny", list(FIGURES), ReportConfig(), TasksConfig(), tmp_path / "variants", outputs)
     assert summary["pareto_front"] == ["fp32", "int8", "int4", "int4_bad"]
     assert summary["recommended"] == "int4"  # fastest within x1.07
     text = outputs["md"].read_text()
@@ -137,12 +162,13 @@ def test_run_marks_front_and_recommends_by_rule(tmp_path, outputs):
 def test_recommend_follows_the_rule(tmp_path, rule, expected):
     fake_reports(tmp_path / "variants")
     rows, _, _, _ = report.collect(tmp_path / "variants", list(FIGURES))
-    assert report.recommend(rows, rule).variant == expected
+    assert report.recommend(rows, rule, set(FIGURES)).variant == expected
+    assert report.recommend(rows, rule, set(FIGURES) - {expected}) != expected  # the task gate's say
 
 
 def test_run_says_when_nothing_is_within_budget(tmp_path, outputs):
     fake_reports(tmp_path / "variants", {"int4_bad": FIGURES["int4_bad"]})
-    summary = report.run("tiny", ["int4_bad"], ReportConfig(), tmp_path / "variants", outputs)
+    summary = report.run("tiny", ["int4_bad"], ReportConfig(), TasksConfig(), tmp_path / "variants", outputs)
     assert summary["recommended"] is None
     assert "none is recommended" in outputs["md"].read_text()
 
@@ -150,7 +176,7 @@ def test_run_says_when_nothing_is_within_budget(tmp_path, outputs):
 def test_run_names_the_missing_report(tmp_path, outputs):
     fake_reports(tmp_path / "variants", {"fp32": FIGURES["fp32"]})
     with pytest.raises(StageError, match="int8/validate.json is missing; run `dvc repro`"):
-        report.run("tiny", ["fp32", "int8"], ReportConfig(), tmp_path / "variants", outputs)
+        report.run("tiny", ["fp32", "int8"], ReportConfig(), TasksConfig(), tmp_path / "variants", outputs)
     assert not outputs["md"].exists()
 
 
@@ -158,7 +184,7 @@ def test_a_variant_that_failed_validation_never_reaches_the_table(tmp_path, outp
     fake_reports(tmp_path / "variants")
     failed = tmp_path / "variants" / "int4" / "validate.json"
     failed.write_text(json.dumps(json.loads(failed.read_text()) | {"passed": False}))
-    summary = report.run("m", list(FIGURES), ReportConfig(), tmp_path / "variants", outputs)
+    summary = report.run("m", list(FIGURES), ReportConfig(), TasksConfig(), tmp_path / "variants", outputs)
     table = outputs["md"].read_text().split("## Validation gates")[0]
     assert "| int4 |" not in table and "int4" not in summary["variants"]
     assert summary["recommended"] != "int4" and summary["failed_validation"] == ["int4"]
@@ -170,12 +196,12 @@ def test_run_refuses_when_no_variant_passed(tmp_path, outputs):
     failed = tmp_path / "variants" / "int4" / "validate.json"
     failed.write_text(json.dumps(json.loads(failed.read_text()) | {"passed": False}))
     with pytest.raises(StageError, match="no variant of .* passed validation \\(int4\\)"):
-        report.run("m", ["int4"], ReportConfig(), tmp_path / "variants", outputs)
+        report.run("m", ["int4"], ReportConfig(), TasksConfig(), tmp_path / "variants", outputs)
 
 
 def test_the_gate_table_shows_value_limit_and_margin_per_text(tmp_path, outputs):
     fake_reports(tmp_path / "variants")
-    summary = report.run("m", list(FIGURES), ReportConfig(), tmp_path / "variants", outputs)
+    summary = report.run("m", list(FIGURES), ReportConfig(), TasksConfig(), tmp_path / "variants", outputs)
     gates = outputs["md"].read_text().split("## Validation gates")[1]
     # int4_bad: ppl 1.26 over int4's 1.07 on both texts, shown failing with its margin
     assert "| int4_bad | goal | prose.txt | 1.26 > 1.07 (-0.19) |" in gates
@@ -197,7 +223,7 @@ def test_comparison_points_and_replaced_limits_are_said_in_words(tmp_path, outpu
                 if check["gate"] == "ppl_ratio":
                     check |= {"shared_limit": 1.07, "meets_shared_limit": False}
         (folder / variant / "validate.json").write_text(json.dumps(record))
-    summary = report.run("m", list(FIGURES), ReportConfig(), folder, outputs)
+    summary = report.run("m", list(FIGURES), ReportConfig(), TasksConfig(), folder, outputs)
     text = outputs["md"].read_text()
     assert "m int4_bad: limit replaced by the build: ppl_ratio 1.3 (shared limit 1.07): quality goal not met." in text
     assert "1.26 <= 1.3* (+0.04)" in text
@@ -214,4 +240,57 @@ def test_a_validate_json_without_gate_records_is_refused_naming_the_fix(tmp_path
     stale = tmp_path / "variants" / "fp32" / "validate.json"
     stale.write_text(json.dumps({k: v for k, v in json.loads(stale.read_text()).items() if k != "role"}))
     with pytest.raises(StageError, match="predates the gate records the report shows; run `dvc repro`"):
-        report.run("m", ["fp32"], ReportConfig(), tmp_path / "variants", outputs)
+        report.run("m", ["fp32"], ReportConfig(), TasksConfig(), tmp_path / "variants", outputs)
+
+
+def test_a_variant_that_fails_the_task_gate_is_shown_and_not_recommended(tmp_path, outputs):
+    """int4 is fastest within the perplexity budget, but keeps 10 of the reference's 16 right
+    answers (0.625 < 0.95): int8 is recommended, unless the rule does not ask for the task gate."""
+    folder = tmp_path / "variants"
+    fake_reports(folder)
+    fake_answers(folder, "int4", qa_right=10)
+    fake_answers(folder, "slow8", choices_changed=3)  # 17 of 20 of the reference's choices
+    summary = report.run("m", list(FIGURES), ReportConfig(), TasksConfig(), folder, outputs)
+    assert summary["recommended"] == "int8"
+    text = outputs["md"].read_text()
+    assert (
+        "**Recommended: int8**: best decode_tokens_per_second within perplexity x1.07 and passing the task gate" in text
+    )
+    assert "| int4 | x1.054 | 50% [30, 70] | -30 | 70% [48, 85] | 100% [84, 100] | +0 (noise) | 100% [84, 100] " in text
+    assert "| fails: qa score retention 0.625 < 0.95 |" in text
+    assert (
+        "| slow8 | x1.010 |" in text
+        and "fails: choice score retention 0.850 < 0.95; choice agreement 0.850 < 0.9" in text
+    )
+    assert "| fp32 | x1.000 | 80% [58, 92] | +0 (noise) | 100% [84, 100] |" in text and "| reference |" in text
+    tasks = summary["tasks"]
+    assert tasks["reference"] == "fp32" and tasks["variants"]["int8"]["task_gate_failures"] == []
+    assert tasks["variants"]["int4"]["tasks"]["qa"]["retention"] == 10 / 16
+    without = report.run(
+        "m", list(FIGURES), ReportConfig(require_task_gate=False), TasksConfig(), folder, report_outputs(tmp_path / "b")
+    )
+    assert without["recommended"] == "int4"
+
+
+def test_without_the_reference_answers_no_variant_is_recommended_by_the_task_gate(tmp_path, outputs):
+    folder = tmp_path / "variants"
+    fake_reports(folder)
+    failed = folder / "fp32" / "validate.json"
+    failed.write_text(json.dumps(json.loads(failed.read_text()) | {"passed": False}))
+    summary = report.run("m", list(FIGURES), ReportConfig(), TasksConfig(), folder, outputs)
+    assert summary["recommended"] is None and summary["tasks"]["reference"] is None
+    text = outputs["md"].read_text()
+    assert "No reference answers to compare with" in text and "- int4: qa 80% [58, 92], choice 100% [84, 100]" in text
+    assert (
+        report.run("m", list(FIGURES), ReportConfig(require_task_gate=False), TasksConfig(), folder, outputs)[
+            "recommended"
+        ]
+        == "int4"
+    )
+
+
+def test_a_missing_tasks_json_names_the_stage(tmp_path, outputs):
+    fake_reports(tmp_path / "variants", {"fp32": FIGURES["fp32"]})
+    (tmp_path / "variants" / "fp32" / "tasks.json").unlink()
+    with pytest.raises(StageError, match="fp32/tasks.json is missing; run `dvc repro` to evaluate fp32"):
+        report.run("m", ["fp32"], ReportConfig(), TasksConfig(), tmp_path / "variants", outputs)

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from tasks import report
-from tasks.core.params import ReportConfig
+from tasks.core.params import ReportConfig, TasksConfig
 from tests.browser import evaluate, find_browser, open_page
 from tests.test_report import FIGURES, fake_reports, report_outputs
 
@@ -28,7 +28,7 @@ WHAT_A_PERSON_SEES = """{
 def html_report(tmp_path):
     fake_reports(tmp_path / "variants")
     paths = report_outputs(tmp_path)
-    report.run("tiny", list(FIGURES), ReportConfig(), tmp_path / "variants", paths)
+    report.run("tiny", list(FIGURES), ReportConfig(), TasksConfig(), tmp_path / "variants", paths)
     return paths["html"]
 
 

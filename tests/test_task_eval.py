@@ -1,6 +1,6 @@
 """Task A/B on the tiny model: lm-eval's interface over an artifact gives the runtime's own numbers,
-compare() scores a hand-made example as computed by hand, and the task gate fails a deliberately
-damaged variant and passes the reference against itself."""
+record() and the report's comparison score a hand-made example as computed by hand, and the task
+gate fails a deliberately damaged variant and passes the reference against itself."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
+from tasks.core.params import TaskGatesConfig
 from tasks.evaluation import task_eval
 from tasks.evaluation.task_sets import TaskSet, load
+from tasks.reporting import task_ab
 from tests.conftest import EVAL_TEXT
 
 pytest.importorskip("lm_eval")
@@ -91,31 +93,51 @@ def hand_set(kind: str, rows: list[dict], tmp_path) -> TaskSet:
     return load(kind, kind, path)
 
 
+def compared(task: TaskSet, variant: dict, reference: dict) -> dict:
+    """The report's comparison of two answer sets, each first recorded as evaluate writes it."""
+    return task_ab.compare_set(task_eval.record(task, variant), task_eval.record(task, reference))
+
+
 def test_compare_qa_by_hand(tmp_path):
     rows = [{"id": str(i), "question": f"Q{i}?", "answers": ["yes"]} for i in range(4)]
     task = hand_set("qa", rows, tmp_path)
     reference = {"0": "Yes.", "1": "yes it is", "2": "Yes", "3": "no"}  # 3 of 4 right
     variant = {"0": "Yes.", "1": "no", "2": "maybe", "3": "no"}  # 1 of 4 right
-    found = task_eval.compare(task, variant, reference)
+    assert task_eval.record(task, variant)["right"] == {"0": True, "1": False, "2": False, "3": False}
+    found = compared(task, variant, reference)
     assert found["score"]["value"] == 0.25 and found["reference_score"]["value"] == 0.75
     assert found["retention"] == pytest.approx(1 / 3)
     assert found["identical_to_reference"]["value"] == 0.5  # "Yes." and "no" match once normalized
     assert found["difference"]["value"] == pytest.approx(-0.5)
-    assert task_eval.gate({"qa": found}, task_eval.TaskGates()) == ["qa score retention 0.333 < 0.95"]
+    assert task_ab.gate({"qa": found}, TaskGatesConfig()) == ["qa score retention 0.333 < 0.95"]
 
 
 def test_compare_choice_and_instruct_by_hand(tmp_path):
     rows = [{"id": str(i), "prompt": "p", "choices": [" a", " b"], "label": i % 2} for i in range(4)]
-    choice = task_eval.compare(
+    choice = compared(
         hand_set("choice", rows, tmp_path), {str(i): 0 for i in range(4)}, {str(i): i % 2 for i in range(4)}
     )
     assert choice["score"]["value"] == 0.5 and choice["reference_score"]["value"] == 1.0
     assert choice["agreement"]["value"] == 0.5
     instruct = hand_set("instruct", [{"id": "x", "instruction": "say"}], tmp_path)
-    found = task_eval.compare(instruct, {"x": "the cat lay on the mat"}, {"x": "the cat sat on the mat"})
+    found = compared(instruct, {"x": "the cat lay on the mat"}, {"x": "the cat sat on the mat"})
     assert found["rouge_l_to_reference"]["value"] == pytest.approx(5 / 6)
     with pytest.raises(ValueError, match="no answer for x"):
-        task_eval.compare(instruct, {}, {"x": "text"})
+        task_eval.record(instruct, {})
+    with pytest.raises(ValueError, match="no answer for x"):
+        task_ab.compare_set({"kind": "instruct", "answers": {}}, task_eval.record(instruct, {"x": "text"}))
+
+
+def test_sets_are_cut_to_the_limit_in_their_order(tmp_path):
+    from tasks.core.params import TasksConfig, TaskSetConfig
+
+    rows = [{"id": f"q{i}", "question": f"Q{i}?", "answers": ["a"]} for i in range(5)]
+    hand_set("qa", rows, tmp_path)
+    # Constructed unchecked: a set's file must lie under data/tasks, and a test writes in tmp_path.
+    spec = TaskSetConfig.model_construct(kind="qa", file=tmp_path / "qa.jsonl")
+    cfg = TasksConfig.model_construct(sets={"qa": spec}, limit=2)
+    (task,) = task_eval.sets_of(cfg)
+    assert [row.id for row in task.rows] == ["q0", "q1"]
 
 
 def choice_set(tmp_path) -> TaskSet:
@@ -156,12 +178,12 @@ def test_the_task_gate_fails_a_damaged_variant_and_passes_the_reference(built, t
     task = choice_set(tmp_path)
     reference = task_eval.answers(built["fp32"], [task])[task.name]
     damaged = task_eval.answers(damaged_copy(built["fp32"], tmp_path / "damaged"), [task])[task.name]
-    gates = task_eval.TaskGates()
-    same = task_eval.compare(task, reference, reference)
-    assert same["agreement"]["value"] == 1.0 and task_eval.gate({task.name: same}, gates) == []
-    found = task_eval.compare(task, damaged, reference)
+    gates = TaskGatesConfig()
+    same = compared(task, reference, reference)
+    assert same["agreement"]["value"] == 1.0 and task_ab.gate({task.name: same}, gates) == []
+    found = compared(task, damaged, reference)
     assert found["agreement"]["value"] < gates.min_choice_agreement
-    assert any("agreement" in failure for failure in task_eval.gate({task.name: found}, gates))
+    assert any("agreement" in failure for failure in task_ab.gate({task.name: found}, gates))
 
 
 def test_generated_sets_use_a_plain_prompt_without_a_chat_template_and_the_template_with_one(built, tmp_path):

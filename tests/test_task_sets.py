@@ -8,6 +8,7 @@ import json
 import pytest
 
 from tasks.core.errors import StageError
+from tasks.core.params import load_params
 from tasks.evaluation import task_eval
 from tasks.evaluation.task_sets import load
 from tests.conftest import REPO
@@ -25,8 +26,9 @@ def write(tmp_path, lines: list[str]):
     return path
 
 
-def test_shipped_sets_load_with_at_least_200_items():
-    sets = task_eval.shipped_sets(REPO)
+def test_shipped_sets_load_with_at_least_200_items(monkeypatch):
+    monkeypatch.chdir(REPO)  # params.yaml's paths are the repository's
+    sets = task_eval.sets_of(load_params(REPO / "params.yaml").tasks)
     assert {task.kind for task in sets} == {"qa", "choice", "instruct"}
     assert sum(len(task.rows) for task in sets) >= 200
     for task in sets:

@@ -14,8 +14,9 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from tasks.core.errors import StageError
-from tasks.core.paths import CALIBRATION_TEXT, EVAL_DIR, EVAL_TEXT, EVAL_TEXTS, PINNED_SOURCE
+from tasks.core.paths import CALIBRATION_TEXT, EVAL_DIR, EVAL_TEXT, EVAL_TEXTS, PINNED_SOURCE, TASK_DIR
 from tasks.core.schema import Bool, Float, Int, Name, Sha256, Strict
+from tasks.evaluation.task_sets import Kind
 from tasks.quantization.configs import METHODS, QuantizeConfig
 
 # ---- download: where each model comes from ----
@@ -184,6 +185,52 @@ class Build(Strict):
     thresholds: ThresholdOverrides | None = None
 
 
+# ---- evaluate: task A/B ----
+
+
+class TaskSetConfig(Strict):
+    """One task set: a JSON Lines file of one kind (tasks/evaluation/task_sets.py has the schema)."""
+
+    kind: Kind
+    file: Path
+
+    @model_validator(mode="after")
+    def _file_is_tracked(self) -> TaskSetConfig:
+        if not Path(self.file).resolve().is_relative_to(TASK_DIR.resolve()):
+            raise ValueError(
+                f"file {self.file} is not under {TASK_DIR}/, the folder dvc.yaml tracks for evaluate; move it there"
+            )
+        return self
+
+
+def _shipped_sets() -> dict[str, TaskSetConfig]:
+    """The sets the project writes itself: 100 trivia questions, 100 multiple-choice items of four
+    kinds, 40 instructions (mostly one-sentence summaries)."""
+    return {
+        "chat_qa": TaskSetConfig(kind="qa", file=TASK_DIR / "chat_qa.jsonl"),
+        "classify": TaskSetConfig(kind="choice", file=TASK_DIR / "classify.jsonl"),
+        "summarize": TaskSetConfig(kind="instruct", file=TASK_DIR / "summarize.jsonl"),
+    }
+
+
+class TaskGatesConfig(Strict):
+    """Per goal variant, against the reference variant's answers; set before any variant was measured."""
+
+    min_score_retention: Float = Field(
+        0.95, ge=0, le=1, description="smallest share of the reference's score kept on each scored set (qa, choice)"
+    )
+    min_choice_agreement: Float = Field(
+        0.90, ge=0, le=1, description="smallest share of choice items where it picks the reference's choice"
+    )
+
+
+class TasksConfig(Strict):
+    sets: Annotated[dict[Name, TaskSetConfig], Field(min_length=1)] = Field(default_factory=_shipped_sets)
+    limit: Int | None = Field(None, ge=1, description="only each set's first rows (a quick look); none: every row")
+    reference: Name = Field("fp32", description="the variant whose answers every other is compared with")
+    gates: TaskGatesConfig = TaskGatesConfig()
+
+
 # ---- bench ----
 
 
@@ -223,6 +270,8 @@ class ReportConfig(Strict):
         "decode_tokens_per_second"
     )
     max_ppl_ratio: Float = Field(1.07, ge=1.0)
+    # Perplexity over plain text does not say what a user sees (tasks/evaluate.py).
+    require_task_gate: Bool = Field(True, description="recommend only a variant that passes the task gate")
 
 
 # ---- the whole file ----
@@ -245,6 +294,7 @@ class Params(Strict):
     # `validate` would shadow pydantic's own method, hence the alias.
     validation: ValidateSection = Field(alias="validate")
     bench: BenchConfig = BenchConfig()
+    tasks: TasksConfig = Field(default_factory=TasksConfig)
     report: ReportConfig = ReportConfig()
 
     @model_validator(mode="before")
@@ -285,6 +335,15 @@ class Params(Strict):
         unknown = sorted(set(self.validation.comparison) - set(self.quantize))
         if unknown:
             raise ValueError(f"validate.comparison names {unknown}, not in `quantize` ({', '.join(self.quantize)})")
+        return self
+
+    @model_validator(mode="after")
+    def _task_reference_is_a_variant(self) -> Params:
+        if self.tasks.reference not in self.quantize:
+            raise ValueError(
+                f"tasks.reference `{self.tasks.reference}` is not in `quantize` ({', '.join(self.quantize)}); name the "
+                "variant every other is compared with (e.g. fp32)"
+            )
         return self
 
     @model_validator(mode="after")

@@ -12,6 +12,7 @@ REPORTS = Path("reports")
 EVAL_DIR = Path("data/eval")  # a DVC dependency of reference and validate: every evaluation text lives here
 EVAL_TEXT = EVAL_DIR / "GPL-3.txt"  # prose; also the bench prompt's source
 EVAL_TEXTS = (EVAL_TEXT, EVAL_DIR / "lstrlib.c")  # prose and C code
+TASK_DIR = Path("data/tasks")  # a DVC dependency of evaluate: every task set lives here
 CALIBRATION_TEXT = Path("data/calibration/python-docs.txt")
 PARITY_TEXT = Path("data/tokenizer/parity.txt")  # download checks a GGUF's rebuilt tokenizer on it
 SOURCE_FILE = "source.json"  # provenance record inside an HF folder written by download
@@ -62,6 +63,10 @@ def validate_json(model: str, variant: str) -> Path:
 
 def bench_json(model: str, variant: str) -> Path:
     return variant_reports(model) / variant / "bench.json"
+
+
+def tasks_json(model: str, variant: str) -> Path:
+    return variant_reports(model) / variant / "tasks.json"
 
 
 def optimize_json(model: str) -> Path:

@@ -18,7 +18,7 @@ from tasks.core import imports
 from tasks.core.errors import StageError
 
 PINS_FILE = Path("versions.yaml")
-STAGES = ("download", "export", "optimize", "reference", "quantize", "validate", "bench", "report")
+STAGES = ("download", "export", "optimize", "reference", "quantize", "validate", "bench", "evaluate", "report")
 # The stages whose tools end up in a variant's lineage, as its manifest records them.
 VARIANT_LINEAGE = ("download", "export", "optimize", "quantize")
 

@@ -1,43 +1,30 @@
 """Task A/B: a variant's answers on the task sets, scored and set beside the reference model's.
 
 answers() runs the sets on one artifact through lm-eval (tasks/evaluation/lm_eval_model.py);
-compare() scores a variant's answers against the rows' right answers and against the reference's
-own answers, with intervals (tasks/evaluation/task_scores.py); gate() says which task gates fail.
-The reference is the model's fp32 variant, which validate holds to PyTorch's logits.
+record() scores them against the rows' right answers, with intervals (tasks/evaluation/task_scores.py):
+what the evaluate stage writes. tasks/reporting/task_ab.py compares the records with the reference's.
+The reference is the variant params.yaml `tasks.reference` names (fp32, which validate holds to
+PyTorch's logits).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
 
+from tasks.core.params import TasksConfig
 from tasks.evaluation import task_scores as scores
 from tasks.evaluation.task_sets import TaskSet, load
 
 log = logging.getLogger(__name__)
 
-TASK_DIR = Path("data/tasks")
-# The sets the project ships (name, kind, file): 100 trivia questions, 100 multiple-choice items of
-# four kinds, 40 instructions (mostly one-sentence summaries).
-SHIPPED = (
-    ("chat_qa", "qa", "chat_qa.jsonl"),
-    ("classify", "choice", "classify.jsonl"),
-    ("summarize", "instruct", "summarize.jsonl"),
-)
 
-
-@dataclass(frozen=True)
-class TaskGates:
-    """A goal variant keeps this share of the reference's score on every scored set (qa, choice) and
-    picks the reference's own choice this often; set before any variant was measured."""
-
-    min_score_retention: float = 0.95
-    min_choice_agreement: float = 0.90
-
-
-def shipped_sets(root: Path = Path(".")) -> list[TaskSet]:
-    return [load(name, kind, root / TASK_DIR / file) for name, kind, file in SHIPPED]
+def sets_of(cfg: TasksConfig) -> list[TaskSet]:
+    """The sets params.yaml `tasks` names, each row checked (a bad one stops here, naming its line),
+    cut to `tasks.limit` rows when set."""
+    found = [load(name, spec.kind, spec.file) for name, spec in cfg.sets.items()]
+    return [replace(task, rows=task.rows[: cfg.limit]) for task in found] if cfg.limit else found
 
 
 def has_chat_template(folder: Path) -> bool:
@@ -52,7 +39,8 @@ def has_chat_template(folder: Path) -> bool:
 
 def answers(folder: Path, sets: list[TaskSet]) -> dict[str, dict[str, object]]:
     """Each set's answers by row id: the reply (generated sets), or the index of the most likely
-    choice (choice sets). Generated sets go through the chat template when the model has one."""
+    choice (choice sets). Generated sets go through the chat template when the model has one. Every
+    set runs whole, or its first rows when sets_of cut it."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -72,6 +60,7 @@ def answers(folder: Path, sets: list[TaskSet]) -> dict[str, dict[str, object]]:
         results = lm_eval.simple_evaluate(
             model=model,
             tasks=[task.lm_eval_config(through_chat) for task in group],
+            limit=max(len(task.rows) for task in group),
             apply_chat_template=through_chat,
             task_manager=manager,
             log_samples=True,
@@ -91,55 +80,25 @@ def _answer(task: TaskSet, sample: dict) -> object:
     return max(range(len(likelihoods)), key=likelihoods.__getitem__)
 
 
-def compare(task: TaskSet, variant: dict[str, object], reference: dict[str, object]) -> dict:
-    """The variant's scores on one set, the reference's beside them, and how often they agree."""
-    ids = [row.id for row in task.rows]
-    missing = [row_id for row_id in ids if row_id not in variant or row_id not in reference]
+def record(task: TaskSet, answered: dict[str, object]) -> dict:
+    """One set's answers as evaluate writes them: by row id in the set's order, whether each is
+    right (scored kinds), and the score with its count and interval."""
+    missing = [row.id for row in task.rows if row.id not in answered]
     if missing:
-        raise ValueError(f"task set {task.name}: no answer for {', '.join(missing[:3])}; run both on the same set")
-    if task.kind == "instruct":
-        similarity = [scores.rouge_l(str(variant[i]), str(reference[i])) for i in ids]
-        return {
-            "kind": task.kind,
-            "rouge_l_to_reference": scores.bootstrap_mean(similarity).record(),
-            "identical_to_reference": _identical(variant, reference, ids).record(),
-        }
-    right_variant, right_reference = _right(task, variant), _right(task, reference)
+        raise ValueError(f"task set {task.name}: no answer for {', '.join(missing[:3])}")
     found = {
         "kind": task.kind,
-        "score": scores.share(right_variant).record(),
-        "reference_score": scores.share(right_reference).record(),
-        "difference": scores.paired_difference(right_variant, right_reference).record(),
-        "retention": _retention(right_variant, right_reference),
+        "file": task.path.as_posix(),
+        "items": len(task.rows),
+        "answers": {row.id: answered[row.id] for row in task.rows},
     }
+    if task.kind == "instruct":  # no single right text: scored against the reference's reply
+        return found
+    right = {row.id: _is_right(task, row, answered[row.id]) for row in task.rows}
+    return found | {"right": right, "score": scores.share(list(right.values())).record()}
+
+
+def _is_right(task: TaskSet, row, answer: object) -> bool:
     if task.kind == "choice":
-        return found | {"agreement": scores.share([variant[i] == reference[i] for i in ids]).record()}
-    return found | {"identical_to_reference": _identical(variant, reference, ids).record()}
-
-
-def _right(task: TaskSet, answered: dict[str, object]) -> list[bool]:
-    if task.kind == "choice":
-        return [answered[row.id] == row.label for row in task.rows]
-    return [scores.contains_answer(str(answered[row.id]), row.answers) for row in task.rows]
-
-
-def _retention(variant: list[bool], reference: list[bool]) -> float | None:
-    """The variant's score as a share of the reference's (None when the reference scored nothing)."""
-    return sum(variant) / sum(reference) if sum(reference) else None
-
-
-def _identical(variant: dict, reference: dict, ids: list[str]) -> scores.Score:
-    return scores.share([scores.normalize(str(variant[i])) == scores.normalize(str(reference[i])) for i in ids])
-
-
-def gate(compared: dict[str, dict], gates: TaskGates) -> list[str]:
-    """Each failed task gate as "<set> <measure> <value> < <limit>"; empty when all pass."""
-    failed = []
-    for name, found in compared.items():
-        retention = found.get("retention")
-        if retention is not None and retention < gates.min_score_retention:
-            failed.append(f"{name} score retention {retention:.3f} < {gates.min_score_retention}")
-        agreement = found.get("agreement")
-        if agreement is not None and agreement["value"] < gates.min_choice_agreement:
-            failed.append(f"{name} agreement {agreement['value']:.3f} < {gates.min_choice_agreement}")
-    return failed
+        return answer == row.label
+    return scores.contains_answer(str(answer), row.answers)
