@@ -63,14 +63,26 @@ def report_summary(model: str) -> str:
     close = [v for v, r in sorted(rows.items(), key=lambda i: i[1]["size_mb"]) if r["ppl_ratio"] <= 1.01 and v != best]
     rule = report["rule"]
     lines = [f"- {gates.count_sentence(report['validation']['counts'])} Every passing variant was benchmarked."]
+    within = f"perplexity x{rule['max_ppl_ratio']}" + (" passing the task gate" if rule["require_task_gate"] else "")
     if best:
-        lines.append(
-            f"- Recommended (best {rule['recommend_by']} within perplexity x{rule['max_ppl_ratio']}): "
-            f"**{best}**, {_figures(rows[best])}."
-        )
+        figures = _figures(rows[best])
+        lines.append(f"- Recommended (best {rule['recommend_by']} within {within}): **{best}**, {figures}.")
+    kept_out = task_gate_kept_out(report)
+    if kept_out:
+        lines.append(f"- Within the perplexity budget but failing the task gate: {', '.join(kept_out)}.")
     if close:
         lines.append(f"- Within +1% perplexity: {'; '.join(f'{v}, {_figures(rows[v])}' for v in close)}.")
     return "\n".join(lines)
+
+
+def task_gate_kept_out(report: dict) -> list[str]:
+    """The variants within the perplexity budget that the task gate kept from the recommendation."""
+    tasks, budget = report["tasks"]["variants"], report["rule"]["max_ppl_ratio"]
+    return [
+        variant
+        for variant, row in report["variants"].items()
+        if row["ppl_ratio"] <= budget and tasks.get(variant, {}).get("task_gate_failures")
+    ]
 
 
 def _figures(row: dict) -> str:

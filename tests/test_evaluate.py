@@ -4,6 +4,7 @@ variant validate did not pass is refused, and a bad task row stops a build befor
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -14,9 +15,10 @@ from tasks.core.stage import StageError
 from tests.conftest import VARIANTS, tiny_params
 
 
-def test_a_variant_validate_did_not_pass_is_never_evaluated(built, params):
+def test_a_variant_validate_did_not_pass_is_never_evaluated(built, params, tmp_path):
+    unvalidated = shutil.copytree(built["int4"], tmp_path / "int4")  # no validation stamp beside it
     with pytest.raises(StageError, match="only validated variants are evaluated"):
-        evaluate.run(params.tasks, built["int4"])  # no validation stamp beside it
+        evaluate.run(params.tasks, unvalidated)
 
 
 def test_a_bad_task_row_stops_the_build_before_any_stage(tmp_path, tiny_hf):

@@ -128,6 +128,7 @@ def test_git_kept_outputs_a_failed_build_lost_come_back(built_clone):
             lambda p: p["validate"]["eval"].update(texts=["data/eval/GPL-3.txt", "data/eval/x.c"]),
         ),
         ("models.tiny.source.path", lambda p: p["models"]["tiny"]["source"].update(path="no/such/folder")),
+        ("tasks.sets.chat_qa.file", lambda p: p["tasks"]["sets"]["chat_qa"].update(file="data/tasks/no-such.jsonl")),
     ],
 )
 def test_build_refuses_a_path_params_names_that_does_not_exist_before_dvc(built, tmp_path, capsys, key, change):
@@ -138,7 +139,8 @@ def test_build_refuses_a_path_params_names_that_does_not_exist_before_dvc(built,
     params.setdefault("bench", {})
     change(params)
     write_params(tmp_path, params)
-    shutil.copytree(REPO / "data" / "eval", tmp_path / "data" / "eval")
+    for folder in ("eval", "tasks"):
+        shutil.copytree(REPO / "data" / folder, tmp_path / "data" / folder)
     assert cli.main(["--root", str(tmp_path), "build"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: params.yaml {key}: ") and "does not exist; fix the path" in err, err
@@ -156,7 +158,8 @@ def test_build_refuses_blocks_a_models_widths_cannot_hold_before_dvc(tmp_path, c
     params = tiny_params(source)
     params.setdefault("bench", {})
     write_params(tmp_path, params)
-    shutil.copytree(REPO / "data" / "eval", tmp_path / "data" / "eval")
+    for folder in ("eval", "tasks"):
+        shutil.copytree(REPO / "data" / folder, tmp_path / "data" / folder)
     assert cli.main(["--root", str(tmp_path), "build"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: params.yaml builds tiny-int8: tiny's intermediate_size is 72, which no block"), err
@@ -187,7 +190,8 @@ def test_build_refuses_a_hub_models_widths_from_its_config_alone_before_download
     write_params(tmp_path, params)
     (tmp_path / pinned).parent.mkdir(parents=True)
     (tmp_path / pinned).write_text(f"org/wide@{revision}\n")
-    shutil.copytree(REPO / "data" / "eval", tmp_path / "data" / "eval")
+    for folder in ("eval", "tasks"):
+        shutil.copytree(REPO / "data" / folder, tmp_path / "data" / folder)
     assert cli.main(["--root", str(tmp_path), "build"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: params.yaml builds tiny-int8: tiny's intermediate_size is 72, which no block"), err

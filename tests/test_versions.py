@@ -46,7 +46,9 @@ def test_stage_tools_are_what_the_code_reaches():
     assert set(stage_tools("export", pins)) >= {"onnxruntime-genai", "optimum-onnx", "torch", "onnx", "onnxruntime"}
     assert "onnxruntime-genai" not in stage_tools("optimize", pins)  # only export runs the builder
     assert {"torch", "gguf", "sentencepiece"} <= set(stage_tools("download", pins))
-    assert set(stage_tools("report", pins)) == {"matplotlib", "markdown", "numpy"}
+    # the task A/B's ROUGE-L (rouge-score, which needs regex); only evaluate runs lm-eval
+    assert set(stage_tools("report", pins)) == {"matplotlib", "markdown", "numpy", "rouge-score", "regex"}
+    assert "lm-eval" in stage_tools("evaluate", pins) and "lm-eval" not in stage_tools("report", pins)
 
 
 def test_lineage_versions_cover_every_stage_that_shapes_a_variant():
