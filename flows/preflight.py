@@ -110,10 +110,9 @@ def check_named_paths(root: Path, params) -> None:
 def check_task_sets(root: Path, params) -> None:
     """Every task set's rows, read as evaluate reads them: a bad row stops the build before any
     stage, naming its file and line (evaluate would say the same after the model's whole build)."""
-    from tasks.evaluation.task_sets import load
+    from tasks.evaluation.task_eval import sets_of
 
-    for name, spec in params.tasks.sets.items():
-        load(name, spec.kind, Path(root) / spec.file)
+    sets_of(params.tasks, root)
 
 
 def config_before_download(root: Path, name: str, spec) -> Path | None:

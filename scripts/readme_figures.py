@@ -75,6 +75,14 @@ def report_summary(model: str) -> str:
     return "\n".join(lines)
 
 
+def task_ab_table(model: str) -> str:
+    """The report's task A/B table, its variants in params.yaml's order (report.json's are sorted)."""
+    from tasks.core.params import load_params
+
+    order = load_params(REPO / "params.yaml").variants_of(model)
+    return task_ab.table(_json(REPO / "reports" / model / "report.json")["tasks"], order)
+
+
 def task_gate_kept_out(report: dict) -> list[str]:
     """The variants within the perplexity budget that the task gate kept from the recommendation."""
     tasks, budget = report["tasks"]["variants"], report["rule"]["max_ppl_ratio"]
@@ -424,8 +432,8 @@ RENDERERS = {
     "structured": structured,
     "kernels": kernel_rows,
     "load-peers": load_peers_tables,
-    "task-ab-smollm2-135m": lambda: task_ab.table(_json(REPO / "reports" / "smollm2-135m" / "report.json")["tasks"]),
-    "task-ab-gemma3-270m": lambda: task_ab.table(_json(REPO / "reports" / "gemma3-270m" / "report.json")["tasks"]),
+    "task-ab-smollm2-135m": lambda: task_ab_table("smollm2-135m"),
+    "task-ab-gemma3-270m": lambda: task_ab_table("gemma3-270m"),
     "load-peers-goals": lambda: "\n".join(f"- {g}" for g in load_peers.goals(_json(RESULTS / "load_peers.json"))),
 }
 

@@ -20,10 +20,10 @@ from tasks.evaluation.task_sets import TaskSet, load
 log = logging.getLogger(__name__)
 
 
-def sets_of(cfg: TasksConfig) -> list[TaskSet]:
-    """The sets params.yaml `tasks` names, each row checked (a bad one stops here, naming its line),
-    cut to `tasks.limit` rows when set."""
-    found = [load(name, spec.kind, spec.file) for name, spec in cfg.sets.items()]
+def sets_of(cfg: TasksConfig, root: Path = Path(".")) -> list[TaskSet]:
+    """The sets params.yaml `tasks` names (paths relative to root, the repository), each row
+    checked (a bad one stops here, naming its line), cut to `tasks.limit` rows when set."""
+    found = [load(name, spec.kind, Path(root) / spec.file) for name, spec in cfg.sets.items()]
     return [replace(task, rows=task.rows[: cfg.limit]) for task in found] if cfg.limit else found
 
 

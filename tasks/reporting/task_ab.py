@@ -127,15 +127,16 @@ def _gate(entry: dict) -> str:
     return verdict + (" (comparison)" if entry["role"] == "comparison" else "")
 
 
-def table(comparison: dict) -> str:
-    """One row per variant: perplexity beside each set's score, its interval, its difference from
-    the reference (points) and agreement, and the task gate. The shipped kinds' columns: one set
-    of each kind (qa, choice, instruct), the first of its kind."""
+def table(comparison: dict, order: list[str] | None = None) -> str:
+    """One row per variant (in `order` when given: report.json's keys are sorted): perplexity beside
+    each set's score, its interval, its difference from the reference (points) and agreement, and
+    the task gate. The shipped kinds' columns: one set of each kind (qa, choice, instruct), the
+    first of its kind."""
     names = {}
     for name, entry in comparison["sets"].items():
         names.setdefault(entry["kind"], name)
     qa, choice, instruct = (names.get(kind) for kind in ("qa", "choice", "instruct"))
-    header, rule = ["variant", "ppl ratio"], []
+    header = ["variant", "ppl ratio"]
     if qa:
         header += [f"{qa}: right [95% CI]", "vs reference", "same reply"]
     if choice:
@@ -143,9 +144,10 @@ def table(comparison: dict) -> str:
     if instruct:
         header += [f"{instruct}: ROUGE-L to reference"]
     header += ["task gate"]
-    rule = ["---"] * len(header)
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(rule) + "|"]
-    for variant, entry in comparison["variants"].items():
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(["---"] * len(header)) + "|"]
+    shown = [variant for variant in order or comparison["variants"] if variant in comparison["variants"]]
+    for variant in shown:
+        entry = comparison["variants"][variant]
         tasks = entry["tasks"]
         cells = [variant, f"x{entry['ppl_ratio']:.3f}"]
         if qa:
