@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 # What statistics of a layer's input an algorithm needs: GPTQ the whole H = sum x x^T; imatrix only
 # its diagonal (a full H of every down_proj input of a 1B model alone is 8 GB).
 FULL, DIAGONAL = "full", "diagonal"
+MAXIMUM = "maximum"  # SmoothQuant's statistic: each input channel's largest magnitude
 
 
 def token_chunks(cfg: CalibrationConfig, tokenizer_json: Path) -> list[np.ndarray]:
@@ -111,21 +112,31 @@ def activations(
 
 
 def accumulate(sums: dict[str, np.ndarray], name: str, x: np.ndarray, kind: str) -> None:
-    """Add rows x [n, channels] (float64) to sums[name]: x^T x, or its diagonal."""
-    sums[name] = sums.get(name, 0) + (x.T @ x if kind == FULL else np.einsum("ij,ij->j", x, x))
+    """Add rows x [n, channels] (float64) to sums[name]: x^T x, or its diagonal; or keep each
+    channel's largest magnitude so far (MAXIMUM)."""
+    if kind == MAXIMUM:
+        sums[name] = np.maximum(sums.get(name, 0), np.abs(x).max(axis=0))
+    else:
+        sums[name] = sums.get(name, 0) + (x.T @ x if kind == FULL else np.einsum("ij,ij->j", x, x))
+
+
+def finish(sums: dict[str, np.ndarray], wanted: dict[str, str], rows: int) -> dict[str, np.ndarray]:
+    """The statistics from what accumulate gathered over `rows` rows: 2 / n * sum(x x^T) (GPTQ's
+    H, or its diagonal), or the channel maxima as they are."""
+    return {name: total if wanted[name] == MAXIMUM else total * (2 / rows) for name, total in sums.items()}
 
 
 def input_hessians(
     model, wanted: dict[str, str], chunks: list[np.ndarray], head_dim: int, weights_dir: Path | None = None
 ) -> dict[str, np.ndarray]:
     """Per named tensor, 2 / n * sum(x x^T) over its rows x (GPTQ's H; kind "diagonal": only its
-    diagonal), in float64, from the graph run in onnxruntime."""
+    diagonal; "maximum": each channel's largest magnitude), in float64, from the graph run in
+    onnxruntime."""
     sums: dict[str, np.ndarray] = {}
     for batch in activations(model, list(wanted), chunks, head_dim, weights_dir):
         for name, x in batch.items():
             accumulate(sums, name, x, wanted[name])
-    rows = sum(len(ids) for ids in chunks)  # one row per token: a prefill of batch 1
-    return {name: total * (2 / rows) for name, total in sums.items()}
+    return finish(sums, wanted, sum(len(ids) for ids in chunks))  # one row per token: a prefill of batch 1
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from tasks.core.errors import StageError
-from tasks.quantization.calibration import accumulate
+from tasks.quantization.calibration import accumulate, finish
 from tasks.sources.checkpoint import Checkpoint
 
 log = logging.getLogger(__name__)
@@ -93,8 +93,7 @@ def checkpoint_statistics(
             model(input_ids=torch.as_tensor(np.stack(chunks)), use_cache=False)
         except _Enough:
             pass
-    rows = sum(len(ids) for ids in chunks)
     missing = sorted(set(modules) - set(sums))
     if missing:
         raise StageError(f"calibration saw no input of {missing[:3]}; the graph's modules do not match the model")
-    return {name: total * (2 / rows) for name, total in sums.items()}
+    return finish(sums, wanted, sum(len(ids) for ids in chunks))
