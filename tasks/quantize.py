@@ -30,10 +30,12 @@ from tasks.quantization import (
     kv_cache,
     layers,
     mixed_precision,
+    per_token,
     smoothing,
     torch_statistics,
     weight_only,
 )
+from tasks.quantization.calibration import MAXIMUM
 from tasks.quantization.configs import QuantizeConfig, needs_calibration
 from tasks.quantization.writer import GraphWriter, write_float_linears
 
@@ -60,13 +62,16 @@ class Quantized:
 
 def quantize_graph(cfg: QuantizeConfig, model_dir: Path, hf_dir: Path, calib: Calibration, out: Path) -> Quantized:
     """The variant that cfg describes; its weights are written into out (model.onnx.data) as they
-    are made. fp32 and weight-only recipes read one float tensor at a time; onnxruntime's int8
-    recipes, fp16 and a measured size budget work on the whole float model in memory."""
+    are made. fp32, weight-only and per-token int8 recipes read one float tensor at a time;
+    onnxruntime's int8 recipes, fp16 and a measured size budget work on the whole float model in
+    memory."""
     data = ExternalData(out, names.MODEL_FILE + DATA_SUFFIX)
     if cfg.method == "fp32":
         return Quantized(float_graph(model_dir, data))
     if cfg.method == "weight_only" and cfg.size_budget_mb is None:
         return _weight_only(cfg, model_dir, hf_dir, calib, data)
+    if cfg.method == "int8_per_token":
+        return _per_token(cfg, model_dir, hf_dir, calib, data)
     with scratch_dir(out) as float_dir:  # the float graph as plain float32 initializers, for tools that load it
         onnx_io.save_graph_only(float_graph(model_dir, ExternalData(float_dir, data.location)), float_dir)
         quantized = _whole_model(cfg, float_dir, calib)
@@ -147,6 +152,21 @@ def _weight_only(cfg: QuantizeConfig, model_dir: Path, hf_dir: Path, calib: Cali
     fold_chains(graph, store, data, among=source)  # what stays float (norms, biases) as plain float32
     copy_into(graph, store, data)
     return Quantized(graph, notes)
+
+
+def _per_token(cfg: QuantizeConfig, model_dir: Path, hf_dir: Path, calib: Calibration, data: ExternalData):
+    model = onnx_io.load(model_dir, with_weights=False)
+    add_logits_to_keep(model)  # before: the output layer must quantize the kept rows, not slice their codes
+    store = WeightStore(model, model_dir)
+    source = {tensor.name for tensor in model.graph.initializer}
+    if cfg.smooth_alpha is not None:
+        wanted = dict.fromkeys((group.activation for group in smoothing.smoothable_groups(model)), MAXIMUM)
+        maxima = statistics(model, wanted, model_dir, hf_dir, calib)
+        store = smoothing.SmoothedStore(store, smoothing.plan(model, maxima, cfg.smooth_alpha, store.array))
+    graph = per_token.quantize_model(model, cfg.output_bits == 32, store, data)
+    fold_chains(graph, store, data, among=source)  # what stays float (norms, biases) as plain float32
+    copy_into(graph, store, data)
+    return Quantized(graph)
 
 
 def _measured_mixed_precision(cfg: QuantizeConfig, model_dir: Path, calib: Calibration) -> Quantized:
@@ -355,13 +375,14 @@ def variant_bytes(cfg: QuantizeConfig, size: resources.ModelSize) -> float:
 
 
 def needs(a) -> resources.Needs:
-    """Streamed recipes (fp32, weight-only) hold the largest weight a few times (float32, its
-    float64 slices, its codes) or, while calibrating, PyTorch with one layer; the others hold the
-    whole float model (and write it to a scratch folder first)."""
+    """Streamed recipes (fp32, weight-only, per-token int8) hold the largest weight a few times
+    (float32, its float64 slices, its codes) or, while calibrating, PyTorch with one layer; the
+    others hold the whole float model (and write it to a scratch folder first)."""
     cfg, size = a.params.variant(a.variant), resources.ModelSize.of(a.paths["hf"])
     stored = variant_bytes(cfg, size)
     largest = resources.amount(size.largest)
-    if cfg.method == "fp32" or (cfg.method == "weight_only" and cfg.size_budget_mb is None):
+    streamed = cfg.method in ("fp32", "int8_per_token") or (cfg.method == "weight_only" and cfg.size_budget_mb is None)
+    if streamed:
         memory = resources.BASE_MEMORY + 3 * size.largest
         basis = f"one weight at a time, the largest {largest} in float32"
         if needs_calibration(cfg):

@@ -244,16 +244,21 @@ def asked_bits(params: QuantizeConfig, weight: Weight, num_layers: int, kept_flo
             return params.output_bits
         eight_bit = {index % num_layers for index in params.eight_bit_blocks}
         return 8 if weight.layer in eight_bit else params.bits
-    return {"fp32": 32, "fp16": 16}.get(params.method, 8)  # both int8 methods quantize every matmul
+    if params.method == "int8_per_token" and weight.role == "output":
+        return params.output_bits
+    return {"fp32": 32, "fp16": 16}.get(params.method, 8)  # the int8 methods quantize every matmul
 
 
 def _lookup_bits(params: QuantizeConfig, shared: bool) -> int:
     """weight_only writes every lookup at the output layer's width (a tied one reads the output's
-    codes, an untied one gets its own), fp32 and fp16 keep theirs; onnxruntime's int8 tools decide
-    for themselves whether the lookup shares the output layer's codes (quantize_dynamic leaves a
-    float copy), so theirs is asked what the graph shows."""
+    codes, an untied one gets its own), int8_per_token only a tied one (an untied table stays
+    float), fp32 and fp16 keep theirs; onnxruntime's int8 tools decide for themselves whether the
+    lookup shares the output layer's codes (quantize_dynamic leaves a float copy), so theirs is
+    asked what the graph shows."""
     if params.method == "weight_only":
         return params.output_bits
+    if params.method == "int8_per_token":
+        return params.output_bits if shared else 32
     if params.method in ("fp32", "fp16"):
         return {"fp32": 32, "fp16": 16}[params.method]
     return 8 if shared else 32

@@ -1,0 +1,211 @@
+"""Int8 weights per output channel, int8 activations per token (W8A8): every linear layer, the
+output layer and a tied embedding lookup become onnxruntime's integer matmul (MatMulInteger),
+with each activation row quantized in the graph by its own largest magnitude.
+
+Why per token: onnxruntime's dynamic quantization (DynamicQuantizeLinear, DynamicQuantizeMatMul)
+takes one scale for the whole run, so a row's result depends on the other rows of the run and on
+where a prompt is cut into pieces (a batched server row moved by 4.4% of the logits' range on
+SmolLM2). A scale per row (ReduceMax over the hidden axis) makes every row's codes its own: the
+same token gives the same logits alone, in a batch, or in any piece of a prompt.
+
+Why MatMulInteger: it reads each weight once for all the rows of a run (a decode step of 8 rows
+costs x1.2-1.4 one row, where MatMulNBits costs x2.3-2.7) and runs its u8 x s8 products on
+VNNI / AMX, so a prompt prefills several times faster (benchmarks/kernels.py).
+
+Activations are uint8 codes around 128 (MatMulInteger takes a scalar zero point; its fast kernels
+are u8 x s8): q = round(x * 127 / max|x|) + 128, in 1..255. Weights are symmetric int8 in
+-127..127 per output column. y = (q - 128) . W * (max|x| / 127) * scale[n]. On CPUs without VNNI,
+onnxruntime's u8 x s8 kernel adds pairs of products in 16 bits, which may saturate: validate
+measures the variant on the machine that will run it, and fails it there if so.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from tasks.graphs.weights import ExternalData, WeightStore, prune
+from tasks.quantization.layers import linear_layers, output_layer, sibling_groups, weight_matrix
+from tasks.quantization.writer import GraphWriter, group_bias
+
+log = logging.getLogger(__name__)
+
+LEVELS = 127  # symmetric int8 codes, weights and activations alike
+ACTIVATION_ZERO = 128  # uint8 activation codes are centred here
+CODES = "/per_token/codes"  # suffix of an activation's codes: <activation>/per_token/codes
+
+
+def channel_codes(weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[K, N] float -> int8 codes [K, N] and a float32 scale per column [N] (symmetric, round to
+    nearest). A column of zeros gets scale 1 (its codes are 0 whatever the scale)."""
+    peak = np.abs(weights).max(axis=0).astype(np.float64)
+    scales = np.where(peak > 0, peak / LEVELS, 1.0)
+    codes = np.clip(np.rint(weights / scales), -LEVELS, LEVELS).astype(np.int8)
+    return codes, scales.astype(np.float32)
+
+
+class TokenQuantizer:
+    """Adds to a graph, once per activation tensor, the nodes that turn it into uint8 codes and a
+    scale per row: codes [..., K] and scale [..., 1]."""
+
+    def __init__(self, writer: GraphWriter):
+        self.writer = writer
+        self.done: dict[str, tuple[str, str]] = {}
+        consts = {
+            "axes": np.array([-1], dtype=np.int64),
+            "levels": np.array(LEVELS, dtype=np.float32),
+            "tiny": np.array(np.finfo(np.float32).tiny, dtype=np.float32),  # an all-zero row: codes 128
+            "zero": np.array(ACTIVATION_ZERO, dtype=np.float32),
+            "zero_code": np.array(ACTIVATION_ZERO, dtype=np.uint8),
+        }
+        self.const = {key: writer.constant(f"/per_token/{key}", value) for key, value in consts.items()}
+
+    def codes(self, x: str) -> tuple[str, str]:
+        """(codes, scale) of activation x, computed once however many matmuls read it."""
+        if x not in self.done:
+            from onnx import TensorProto
+
+            c, stem = self.const, x + CODES.rsplit("/", 1)[0]
+            self.writer.model.graph.node.extend(
+                [
+                    _node("Abs", [x], stem + "/abs"),
+                    _node("ReduceMax", [stem + "/abs", c["axes"]], stem + "/peak", keepdims=1),
+                    _node("Max", [stem + "/peak", c["tiny"]], stem + "/range"),
+                    _node("Div", [c["levels"], stem + "/range"], stem + "/inverse"),
+                    _node("Mul", [x, stem + "/inverse"], stem + "/scaled"),
+                    _node("Add", [stem + "/scaled", c["zero"]], stem + "/shifted"),
+                    _node("Round", [stem + "/shifted"], stem + "/rounded"),
+                    _node("Cast", [stem + "/rounded"], x + CODES, to=TensorProto.UINT8),
+                    _node("Div", [stem + "/range", c["levels"]], stem + "/scale"),
+                ]
+            )
+            self.done[x] = (x + CODES, stem + "/scale")
+        return self.done[x]
+
+
+def write_integer_matmul(
+    writer: GraphWriter, tokens: TokenQuantizer, x: str, output: str, stem: str, weights: np.ndarray, bias: str = ""
+) -> str:
+    """output = x . weights (+ bias) through MatMulInteger on x's per-token codes; returns the
+    name of the int8 codes [K, N] it stored."""
+    from onnx import TensorProto
+
+    codes, scales = channel_codes(weights)
+    stored = writer.constant(stem + "/codes", codes)
+    column_scale = writer.constant(stem + "/scales", scales)
+    x_codes, x_scale = tokens.codes(x)
+    scaled = stem + "/scaled" if bias else output
+    nodes = [
+        _node("MatMulInteger", [x_codes, stored, tokens.const["zero_code"]], stem + "/int32"),
+        _node("Cast", [stem + "/int32"], stem + "/float", to=TensorProto.FLOAT),
+        _node("Mul", [stem + "/float", x_scale], stem + "/row_scaled"),
+        _node("Mul", [stem + "/row_scaled", column_scale], scaled),
+    ]
+    if bias:
+        nodes.append(_node("Add", [scaled, bias], output))
+    writer.model.graph.node.extend(nodes)
+    return stored
+
+
+def write_embedding_lookup(writer: GraphWriter, gather, codes: str, scales: str) -> None:
+    """The tied lookup reading the output layer's codes [K, vocab]: column id of the codes, times
+    that column's scale, is the token's embedding."""
+    from onnx import TensorProto
+
+    stem, ids = gather.name or "embedding", gather.input[1]
+    rank = 2  # input_ids [batch, sequence]
+    axes = writer.constant(stem + "/per_token/axes", np.array([-1], dtype=np.int64))
+    writer.model.graph.node.extend(
+        [
+            _node("Gather", [codes, ids], stem + "/columns", axis=1),
+            _node("Transpose", [stem + "/columns"], stem + "/rows", perm=[*range(1, rank + 1), 0]),
+            _node("Cast", [stem + "/rows"], stem + "/float", to=TensorProto.FLOAT),
+            _node("Gather", [scales, ids], stem + "/scale", axis=0),
+            _node("Unsqueeze", [stem + "/scale", axes], stem + "/scale_column"),
+            _node("Mul", [stem + "/float", stem + "/scale_column"], gather.output[0]),
+        ]
+    )
+
+
+def _node(op: str, inputs: list[str], output: str, **attrs):
+    """A node named after its output and op (writer output names are unique)."""
+    from onnx import helper
+
+    return helper.make_node(op, inputs, [output], name=f"{output}/{op}", **attrs)
+
+
+def quantize_model(model, output_float: bool, store: WeightStore, data: ExternalData | None = None):
+    """Rewrite model in place: every linear (siblings reading one input packed into one matmul and
+    split back) and, unless output_float, the output layer and a tied lookup, to per-token int8.
+    One group of weights is in memory at a time."""
+    from onnx import helper
+    from onnxruntime.transformers.onnx_model import OnnxModel
+
+    writer = GraphWriter(model, data)
+    tokens = TokenQuantizer(writer)
+    linears = linear_layers(model)
+    for group in sibling_groups(linears, dict.fromkeys((linear.node.name for linear in linears), 0)):
+        first = group[0]
+        weights = np.concatenate([weight_matrix(linear, store) for linear in group], axis=1)
+        stem = first.node.name or first.weight_name
+        bias = group_bias(writer, store, group, stem)
+        if len(group) == 1:
+            write_integer_matmul(writer, tokens, first.node.input[0], first.node.output[0], stem, weights, bias)
+        else:
+            stem, packed = f"{stem}/packed{len(group)}", f"{first.node.output[0]}/packed{len(group)}"
+            write_integer_matmul(writer, tokens, first.node.input[0], packed, stem, weights, bias)
+            widths = writer.constant(stem + "/widths", np.array([lin.width for lin in group], dtype=np.int64))
+            outputs = [linear.node.output[0] for linear in group]
+            model.graph.node.append(helper.make_node("Split", [packed, widths], outputs, axis=-1, name=stem + "/Split"))
+        del weights
+        for linear in group:
+            model.graph.node.remove(linear.node)
+    log.info("quantized %d linear layers to per-token int8", len(linears))
+    head = output_layer(model)
+    if head is not None and not output_float:
+        stem = "lm_head"
+        stored = write_integer_matmul(writer, tokens, head.node.input[0], head.node.output[0], stem, head.weight(store))
+        model.graph.node.remove(head.node)
+        if head.gather is not None:
+            write_embedding_lookup(writer, head.gather, stored, stem + "/scales")
+            model.graph.node.remove(head.gather)
+    prune(model)  # the float weights (and Cast/Transpose nodes) nothing reads any more
+    OnnxModel(model).topological_sort()
+    return model
+
+
+def float_compute(model) -> int:
+    """Make every per-token integer matmul of model (in place) compute in float32 from the same
+    int8 weights: x . codes times the column scales, with no activation codes. Validate's cache
+    check runs this: the codes of one token run alone and in a many-token run differ where float
+    rounding moves a value across a code's edge, which would hide the cache's own behaviour.
+    Returns how many matmuls changed."""
+    from onnx import TensorProto, helper
+
+    from tasks.graphs.weights import GraphIndex
+
+    index = GraphIndex(model)
+    one = "/per_token/float_compute/one"
+    changed = 0
+    for node in [n for n in model.graph.node if n.op_type == "MatMulInteger" and n.input[0].endswith(CODES)]:
+        (cast,) = index.consumers[node.output[0]]
+        (row_scale,) = index.consumers[cast.output[0]]
+        x, weight = node.input[0][: -len(CODES)], node.input[1]
+        model.graph.node.remove(node)
+        model.graph.node.remove(cast)
+        model.graph.node.extend(
+            [
+                helper.make_node("Cast", [weight], [weight + "/float"], name=weight + "/Cast", to=TensorProto.FLOAT),
+                helper.make_node("MatMul", [x, weight + "/float"], [cast.output[0]], name=node.name + "/float"),
+            ]
+        )
+        row_scale.input[1] = one
+        changed += 1
+    if changed:
+        model.graph.initializer.append(helper.make_tensor(one, TensorProto.FLOAT, [], [1.0]))
+        from onnxruntime.transformers.onnx_model import OnnxModel
+
+        prune(model)  # the activation codes nothing reads now
+        OnnxModel(model).topological_sort()
+    return changed

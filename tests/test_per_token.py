@@ -1,0 +1,141 @@
+"""Per-token int8 (W8A8): every matmul and the tied lookup become integer codes, a token computes
+the same logits alone, batched beside any other rows, or in any piece of a prompt (where
+onnxruntime's one-scale-per-run dynamic int8 does not), SmoothQuant read weight by weight keeps
+the float model's function, and validate's float-compute twin reads the same int8 weights."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+from ortforge import BatchDecoder, Decoder, create_session, names
+from ortforge.manifest import read_manifest
+from tasks import quantize
+from tasks.core.params import CalibrationConfig
+from tasks.evaluation.metrics import full_pass_logits
+from tasks.graphs import architecture, onnx_io
+from tasks.graphs.weights import DATA_SUFFIX, ExternalData, WeightStore, copy_into, fold_chains
+from tasks.quantization import per_token, smoothing
+from tasks.quantization.configs import quantize_config
+from tests.conftest import REPO
+
+CALIBRATION = CalibrationConfig(text=REPO / "data/calibration/python-docs.txt", samples=2, tokens=32)
+
+
+def quantized(built, tmp_path_factory, **recipe):
+    out = tmp_path_factory.mktemp("variant") / "v"
+    quantize.run(quantize_config(**recipe), built["optimized"], built["hf"], out, {}, CALIBRATION)
+    return out
+
+
+@pytest.fixture(scope="module")
+def w8a8(built, tmp_path_factory):
+    return quantized(built, tmp_path_factory, method="int8_per_token")
+
+
+@pytest.fixture(scope="module")
+def run_scaled(built, tmp_path_factory):
+    """onnxruntime's quantize_dynamic: one activation scale per run."""
+    return quantized(built, tmp_path_factory, method="int8_dynamic")
+
+
+def test_channel_codes_keep_each_column_within_half_a_step():
+    weights = np.random.default_rng(0).standard_normal((64, 24)).astype(np.float32) * np.arange(1, 25)
+    weights[:, 3] = 0
+    codes, scales = per_token.channel_codes(weights)
+    assert codes.dtype == np.int8 and np.abs(codes.astype(int)).max() == per_token.LEVELS
+    assert scales[3] == 1 and not codes[:, 3].any()  # a zero column: codes 0, any scale
+    assert np.all(np.abs(codes * scales - weights) <= scales / 2 + 1e-7)
+
+
+def test_every_matmul_and_the_tied_lookup_are_int8_codes(w8a8):
+    graph = onnx.load(str(w8a8 / "model.onnx"), load_external_data=False)
+    ops = onnx_io.op_counts(graph)
+    assert "MatMul" not in ops and "MatMulNBits" not in ops
+    assert ops["MatMulInteger"] > 0 and "DynamicQuantizeLinear" not in ops
+    coverage = read_manifest(w8a8)["coverage"]
+    assert {role: list(rows) for role, rows in coverage.items()} == {
+        "linear": ["8"],
+        "output": ["8"],
+        "embedding": ["8"],
+    }
+    assert coverage["embedding"]["8"]["bytes"] == 0  # it reads the output layer's codes: stored once
+
+
+def test_per_token_variant_stays_close_to_the_float_model(built, w8a8):
+    ids = np.random.default_rng(3).integers(0, 384, 24)
+    reference = full_pass_logits(Decoder(create_session(built["fp32"])), ids)
+    logits = full_pass_logits(Decoder(create_session(w8a8)), ids)
+    assert np.abs(logits - reference).max() < 0.05 * np.ptp(reference)
+    assert np.mean(logits.argmax(-1) == reference.argmax(-1)) >= 0.9
+
+
+def rows_logits(folder, neighbour: list[int]) -> np.ndarray:
+    """Row 0's logits over 4 steps while row 1 holds `neighbour`."""
+    batch = BatchDecoder(create_session(folder), 2)
+    prompt = [5, 17, 42, 7, 99, 3, 250, 11]
+    found = [batch.prefill(0, prompt)]
+    batch.prefill(1, neighbour)
+    for token in (8, 13, 21, 34):
+        found.append(batch.step({0: token, 1: 1})[0])
+    return np.array(found)
+
+
+def test_a_row_is_the_same_whatever_its_neighbours_hold(w8a8, run_scaled):
+    quiet, loud = [1, 2, 3], list(range(300, 364))
+    assert np.array_equal(rows_logits(w8a8, quiet), rows_logits(w8a8, loud))
+    # one scale per run: the same row moves with what the other row holds
+    assert not np.allclose(rows_logits(run_scaled, quiet), rows_logits(run_scaled, loud), atol=1e-4)
+
+
+def last_logits(folder, ids: list[int], chunk: int) -> np.ndarray:
+    decoder = Decoder(create_session(folder), prefill_chunk=chunk)
+    return decoder.forward(ids, decoder.empty_cache(), last_only=True)[0][-1]
+
+
+def test_a_prompt_in_pieces_gives_the_whole_prompts_logits(w8a8):
+    ids = np.random.default_rng(5).integers(0, 384, 40).tolist()
+    whole, cut = last_logits(w8a8, ids, 0), last_logits(w8a8, ids, 7)
+    np.testing.assert_allclose(cut, whole, atol=0.1)  # only float rounding moving a code's edge differs
+    assert np.argmax(cut) == np.argmax(whole)
+
+
+def test_float_compute_reads_the_same_codes_in_float(w8a8, tmp_path):
+    graph = onnx.load(str(w8a8 / "model.onnx"), load_external_data=False)
+    count = onnx_io.op_counts(graph)["MatMulInteger"]
+    assert per_token.float_compute(graph) == count
+    assert "MatMulInteger" not in onnx_io.op_counts(graph)
+    onnx_io.save_runnable(graph, w8a8, tmp_path)
+    ids = np.random.default_rng(4).integers(0, 384, 24)
+    floats = full_pass_logits(Decoder(create_session(tmp_path)), ids)
+    codes = full_pass_logits(Decoder(create_session(w8a8)), ids)
+    assert np.abs(floats - codes).max() < 0.05 * np.ptp(codes)  # the activations' rounding apart
+    decoder = Decoder(create_session(tmp_path))  # float compute: cached decode is a full pass
+    logits, cache = decoder.forward(ids[:16].tolist(), decoder.empty_cache())
+    for position in range(16, 24):
+        step, cache = decoder.forward([int(ids[position])], cache)
+        np.testing.assert_allclose(step[-1], floats[position], atol=1e-4)
+
+
+def test_smoothing_read_weight_by_weight_keeps_the_model_equal(built, tmp_path):
+    """SmoothedStore smooths each weight as a streamed stage reads it, from the checkpoint's own
+    tensors (read through Transpose), with no second copy of the model."""
+    graph = onnx_io.load(built["optimized"], with_weights=False)
+    store = WeightStore(graph, built["optimized"])
+    groups = smoothing.smoothable_groups(graph)
+    assert groups and any(group.transposed for group in groups)
+    widths = {g.activation: store.array(g.consumers[0]).shape[g.consumers[0] in g.transposed] for g in groups}
+    rng = np.random.default_rng(0)
+    maxima = {activation: rng.uniform(0.05, 50, width) for activation, width in widths.items()}
+    smoothed = smoothing.SmoothedStore(store, smoothing.plan(graph, maxima, 0.5, store.array))
+    data = ExternalData(tmp_path, "model.onnx" + DATA_SUFFIX)
+    fold_chains(graph, smoothed, data)
+    copy_into(graph, smoothed, data)
+    onnx_io.save_graph_only(graph, tmp_path)
+    assert store.array(groups[0].consumers[0]).shape  # the source is untouched
+    ids = np.random.default_rng(1).integers(0, 384, 24)
+    before = full_pass_logits(Decoder(create_session(built["fp32"])), ids)
+    head_dim = architecture.read(built["hf"]).head_dim
+    after = full_pass_logits(Decoder(create_session(tmp_path), head_dim=head_dim, layout=names.KV_SHARED), ids)
+    np.testing.assert_allclose(after, before, atol=2e-4)
