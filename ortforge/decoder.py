@@ -35,6 +35,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ortforge import names
+from ortforge.manifest import validation_stamp
 from ortforge.session import SessionSettings, create_session
 
 # A quantized cache (GroupQueryAttention's k/v_quant_type) holds int8, or uint8 with two 4-bit values.
@@ -69,6 +70,19 @@ class KVCache:
 
 
 @dataclass(frozen=True)
+class Proven:
+    """What the validate stage proved of a variant's runs (its stamp's `deployment`): pieces, a
+    prompt cut into runs (prefill chunks, a reused prefix, prompt lookup's draft checks) computes
+    what the whole prompt does; rows, a sequence batched with others computes what it does alone.
+    A graph that quantizes activations with one scale per run proves neither (its rows and pieces
+    change each other's codes), and then runs only the reference's own runs: whole prompts, one
+    token a step, each sequence alone."""
+
+    pieces: bool = True
+    rows: bool = True
+
+
+@dataclass(frozen=True)
 class LengthDependentRope:
     """Rotary frequencies that change with a run's total length: a run up to `limit` tokens uses
     the plain ones, a longer run others. recompute: the model's generate recomputes a sequence's
@@ -86,11 +100,15 @@ class Decoder:
         layout: str | None = None,
         prefill_chunk: int = 0,
         rope: LengthDependentRope | None = None,
+        proven: Proven | None = None,
     ):
-        """rope: the model's length_dependent_rope (None: its frequencies never depend on a run)."""
+        """rope: the model's length_dependent_rope (None: its frequencies never depend on a run);
+        proven: what validate proved of its runs (proven_runs; None: a graph used directly, as
+        validate itself does, may run every way)."""
         self.session = session
         self.prefill_chunk = prefill_chunk
         self.rope = rope
+        self.proven = proven or Proven()
         inputs = {i.name: i for i in session.get_inputs()}
         self.num_layers = sum(1 for name in inputs if name.startswith("past_key_values.") and name.endswith(".key"))
         if self.num_layers == 0 or names.INPUT_IDS not in inputs:
@@ -132,7 +150,8 @@ class Decoder:
         """A decoder over a new session for the artifact, with its measured settings by default."""
         settings = settings or SessionSettings.for_artifact(model_dir)
         session = create_session(model_dir, settings)
-        return cls(session, prefill_chunk=settings.prefill_chunk, rope=length_dependent_rope(model_dir))
+        rope, proven = length_dependent_rope(model_dir), proven_runs(model_dir)
+        return cls(session, prefill_chunk=settings.prefill_chunk, rope=rope, proven=proven)
 
     def __reduce__(self):
         raise TypeError(NOT_PICKLABLE)
@@ -165,8 +184,16 @@ class Decoder:
 
     def runs_like_any(self, total: int) -> bool:
         """Whether a run that ends at `total` tokens computes its tokens as any other run would
-        (so prompt pieces, draft checks and batched rows may end there): always, but for a model
-        whose rotary frequencies change past its rope limit."""
+        (so prompt pieces and draft checks may end there): where validate proved pieces, but for
+        a model whose rotary frequencies change past its rope limit."""
+        return self.proven.pieces and self._within_rope(total)
+
+    def batches_like_alone(self, total: int) -> bool:
+        """Whether sequences batched into a run that reaches `total` tokens compute what each
+        does alone: where validate proved batched rows, within the rope limit."""
+        return self.proven.rows and self._within_rope(total)
+
+    def _within_rope(self, total: int) -> bool:
         return self.rope is None or total <= self.rope.limit
 
     def keeps_tokens(self, total: int) -> bool:
@@ -250,6 +277,19 @@ class Decoder:
                 self._binding.bind_ortvalue_input(past, value)
                 self._binding.bind_ortvalue_output(present, value)
         self._capacity = capacity
+
+
+def proven_runs(model_dir: Path) -> Proven:
+    """What validate proved of the artifact's runs, from its validation stamp: every way for a
+    folder with no stamp (a graph used directly), none for a stamp that records no proof."""
+    stamp = validation_stamp(model_dir)
+    if not stamp.is_file():
+        return Proven()
+    try:
+        record = json.loads(stamp.read_text(encoding="utf-8")).get(names.DEPLOYMENT_KEY) or {}
+    except (OSError, ValueError, AttributeError):
+        record = {}
+    return Proven(pieces=record.get("prefill_pieces") is True, rows=record.get("batched_rows") is True)
 
 
 def length_dependent_rope(model_dir: Path) -> LengthDependentRope | None:

@@ -15,7 +15,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from ortforge.chat import chat_pieces, render_chat, stop_strings, until_stop
-from ortforge.decoder import NOT_PICKLABLE, Decoder, length_dependent_rope
+from ortforge.decoder import NOT_PICKLABLE, Decoder, length_dependent_rope, proven_runs
 from ortforge.greedy import greedy_tokens
 from ortforge.names import GENERATION_CONFIG_FILE
 from ortforge.sampling import Sampling, sampled_tokens
@@ -82,6 +82,7 @@ class TextGenerator:
         self.stop_ids = _eos_ids(model_dir / GENERATION_CONFIG_FILE)
         self.prefill_chunk = self.settings.prefill_chunk
         self.rope = length_dependent_rope(model_dir)  # past its limit, prompts run whole (ortforge.decoder)
+        self.proven = proven_runs(model_dir)  # what validate proved: pieces, batched rows
         self._per_thread = threading.local()
 
     def __reduce__(self):
@@ -92,7 +93,8 @@ class TextGenerator:
         """This thread's decoder over the shared session, created on first use."""
         decoder = getattr(self._per_thread, "decoder", None)
         if decoder is None:
-            decoder = self._per_thread.decoder = Decoder(self.session, prefill_chunk=self.prefill_chunk, rope=self.rope)
+            decoder = Decoder(self.session, prefill_chunk=self.prefill_chunk, rope=self.rope, proven=self.proven)
+            self._per_thread.decoder = decoder
         return decoder
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -20,6 +20,7 @@ MODEL_FILE = "model.onnx"
 RUNTIME_SUFFIX = ".runtime.json"  # <variant>.runtime.json beside the variant: the bench stage's tuned settings
 MANIFEST_FILE = "manifest.json"
 VALIDATION_SUFFIX = ".valid.json"
+DEPLOYMENT_KEY = "deployment"  # the stamp's record of the runs validate proved (ortforge.decoder.Proven)
 
 # Model metadata (ONNX metadata_props) the quantize stage writes for the runtime.
 KV_LAYOUT_KEY = "ortforge.kv_layout"  # "shared": one buffer per layer updated in place; else chained

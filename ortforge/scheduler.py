@@ -170,12 +170,20 @@ class Scheduler:
         self.kv = KVBudget.sized(decoder.kv_bytes_per_token, decoder.context_length, slots, kv_cache_mb)
         if BatchDecoder.supports(generator.session):
             self.batch = BatchDecoder(
-                generator.session, slots, generator.prefill_chunk, prefixes, self.kv.row_tokens, generator.rope
+                generator.session,
+                slots,
+                generator.prefill_chunk,
+                prefixes,
+                self.kv.row_tokens,
+                generator.rope,
+                generator.proven,
             )
             self.note = f"continuous batching over {slots} slots, KV budget {self.kv.megabytes:,.0f} MB" + (
                 f", prefix cache {prefix_cache_mb:g} MB" if prefixes else ""
             )
-            if generator.rope is not None:
+            if not generator.proven.rows:
+                self.note += "; each row steps alone (validate did not prove batched rows equal to rows alone)"
+            elif generator.rope is not None:
                 self.note += f"; rows past {generator.rope.limit} tokens run alone (length-dependent rope)"
         else:
             self.batch = None
@@ -327,7 +335,7 @@ class Scheduler:
         if not job.filled:  # its first piece: a prompt prefilled meanwhile may share its start
             job.filled = self.batch.reuse_prefix(row, prompt)
         size = min(_tokens_left(job), allowance, self.piece)
-        if not self.batch.single.runs_like_any(len(prompt)):  # past the model's rope limit: whole
+        if not self.batch.single.runs_like_any(len(prompt)):  # unproven pieces, or past the rope limit: whole
             size = _tokens_left(job)
         last = job.filled + size == len(prompt)
         started = time.perf_counter()

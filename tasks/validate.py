@@ -22,11 +22,12 @@ from pathlib import Path
 import numpy as np
 
 from ortforge.manifest import read_manifest, sha256_file, validation_stamp
-from ortforge.names import MANIFEST_FILE, MODEL_FILE
+from ortforge.names import DEPLOYMENT_KEY, MANIFEST_FILE, MODEL_CONFIG_FILE, MODEL_FILE
 from tasks.core import paths, resources
 from tasks.core.files import atomic_write_json, folder_bytes
 from tasks.core.params import EvalConfig, Thresholds
 from tasks.core.stage import StageError, stage_cli
+from tasks.evaluation import deployment
 from tasks.evaluation.metrics import (
     Reference,
     TextReference,
@@ -38,7 +39,8 @@ from tasks.evaluation.metrics import (
     windowed_kl,
 )
 from tasks.graphs import onnx_io
-from tasks.quantization import coverage, kv_cache
+from tasks.measurement.tuning import PREFILL_CHUNKS
+from tasks.quantization import coverage, kv_cache, per_token
 from tasks.quantization.configs import QuantizeConfig
 
 log = logging.getLogger(__name__)
@@ -178,8 +180,9 @@ def float_compute(graph) -> int:
 def cache_check_decoders(variant_dir: Path, scratch: Path) -> tuple:
     """The decoders the cache checks run, over the variant's graph with float compute (float_compute:
     int8-activation kernels round one token differently from many, which would hide the cache's own
-    behaviour): one with the variant's cache (None: no MatMulNBits to change, the variant itself),
-    and for a quantized cache one with a float cache (None for a float cache)."""
+    behaviour): one with the variant's cache (None: no MatMulNBits or per-token matmul to change,
+    the variant itself), for a quantized cache one with a float cache (None for a float cache), and
+    the folder of the first one's graph."""
     import onnx
 
     from ortforge.decoder import Decoder
@@ -192,10 +195,10 @@ def cache_check_decoders(variant_dir: Path, scratch: Path) -> tuple:
         return Decoder(create_session(folder))
 
     graph = onnx.load(str(variant_dir / MODEL_FILE), load_external_data=False)
-    exact = float_compute(graph) > 0
+    exact = float_compute(graph) + per_token.float_compute(graph) > 0
     cached = decoder_over(graph, "cached") if exact else None
     full = decoder_over(kv_cache.float_cache(graph), "float-cache") if kv_cache.stored_bits(graph) < 16 else None
-    return cached, full
+    return cached, full, scratch / "cached" if exact else variant_dir
 
 
 def measure(variant_dir: Path, reference: Reference, cfg: EvalConfig) -> dict:
@@ -205,13 +208,14 @@ def measure(variant_dir: Path, reference: Reference, cfg: EvalConfig) -> dict:
 
     decoder = Decoder(create_session(variant_dir))
     with tempfile.TemporaryDirectory() as scratch:
-        cached, float_cache = cache_check_decoders(variant_dir, Path(scratch))
+        cached, float_cache, checked_dir = cache_check_decoders(variant_dir, Path(scratch))
         per_text = {
             name: measure_text(
                 decoder, cached, float_cache, text, cfg, reference.sequence_tokens, reference.perplexity[name]
             )
             for name, text in reference.texts.items()
         }
+        proof = prove_deployment(variant_dir, checked_dir, next(iter(reference.texts.values())).ids)
     first = next(iter(per_text.values()))
     worst = {name: pick(figures[name] for figures in per_text.values()) for name, pick, _ in GATES if name in first}
     return {
@@ -228,7 +232,23 @@ def measure(variant_dir: Path, reference: Reference, cfg: EvalConfig) -> dict:
         "sequence_tokens": reference.sequence_tokens,
         "tokens_scored": first["tokens_scored"],  # per text
         "texts": per_text,
+        DEPLOYMENT_KEY: proof.record(),
     }
+
+
+def prove_deployment(variant_dir: Path, checked_dir: Path, ids: np.ndarray) -> deployment.Proof:
+    """Which ways of running its tokens the runtime may use for this variant (tasks/evaluation/
+    deployment.py), on the cache check's float-compute graph."""
+    import json
+
+    from ortforge.decoder import length_dependent_rope
+    from ortforge.session import SessionSettings, create_session
+
+    def session_of(threads: int, level: str):
+        return create_session(checked_dir, SessionSettings(intra_op_threads=threads, graph_level=level))
+
+    config = json.loads((variant_dir / MODEL_CONFIG_FILE).read_text(encoding="utf-8"))
+    return deployment.prove(session_of, length_dependent_rope(variant_dir), ids, config, PREFILL_CHUNKS)
 
 
 def asked_widths(recipe: QuantizeConfig, manifest: dict) -> QuantizeConfig:
@@ -322,6 +342,7 @@ def run(cfg: EvalConfig, asked: Asked, variant_dir: Path, reference_dir: Path, r
             "manifest_sha256": sha256_file(variant_dir / MANIFEST_FILE),
             "perplexity": figures["perplexity"],
             "ppl_ratio": figures["ppl_ratio"],
+            DEPLOYMENT_KEY: {key: figures[DEPLOYMENT_KEY][key] for key in deployment.STAMPED},
             "thresholds": asked.limits.model_dump(),
         },
     )
@@ -338,27 +359,31 @@ def run(cfg: EvalConfig, asked: Asked, variant_dir: Path, reference_dir: Path, r
     return figures
 
 
-def cache_check_sessions(variant_dir: Path) -> int:
+def cache_check_sessions(variant_dir: Path) -> tuple[int, int]:
     """How many sessions besides the variant's own the cache checks open (cache_check_decoders):
-    one with float compute where the graph has int8-activation MatMulNBits, one over a float cache
-    where the cache is quantized. Reads the graph's structure only, not its weights."""
+    one with float compute where the graph has int8-activation matmuls, one over a float cache
+    where the cache is quantized; and how many times the variant's weight bytes each holds (4 where
+    float compute turns per-token int8 codes into float32). Reads the graph's structure only."""
     import onnx
 
     graph = onnx.load(str(variant_dir / MODEL_FILE), load_external_data=False)
-    return int(float_compute(graph) > 0) + int(kv_cache.stored_bits(graph) < 16)
+    widened = per_token.float_compute(graph) > 0
+    sessions = int(widened or float_compute(graph) > 0) + int(kv_cache.stored_bits(graph) < 16)
+    return sessions, 4 if widened else 1
 
 
 def needs(a) -> resources.Needs:
     """One session's needs (resources.runtime_needs) for every session validate holds at once: the
-    variant's and the cache checks' (each loads the weights and prepacks its own copy)."""
+    variant's, the cache checks' (each loads the weights and prepacks its own copy) and one of the
+    deployment proof's (tasks/evaluation/deployment.py, over the cache check's graph)."""
     variant_dir = a.paths["variant-dir"]
     one = resources.runtime_needs(variant_dir, a.params.validation.eval.window, "scoring windows")
     if not (variant_dir / MODEL_FILE).is_file():
         return one  # run() says which stage to run first
-    extra = cache_check_sessions(variant_dir)
+    extra, widen = cache_check_sessions(variant_dir)
     weights = folder_bytes(variant_dir, "model.onnx*")
     return resources.Needs(
-        one.memory + extra * 2 * weights, one.disk, f"{one.basis}, {1 + extra} sessions held at once"
+        one.memory + (extra + 1) * 2 * widen * weights, one.disk, f"{one.basis}, {2 + extra} sessions held at once"
     )
 
 
