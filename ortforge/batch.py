@@ -34,7 +34,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ortforge import names
-from ortforge.decoder import Decoder, LengthDependentRope
+from ortforge.decoder import Decoder, LengthDependentRope, Proven
 
 DEFAULT_ROW_TOKENS = 4096  # a graph that records no context length
 SHRINK_ARENA = "memory.enable_memory_arena_shrinkage"  # onnxruntime's run option
@@ -85,15 +85,18 @@ class BatchDecoder:
         prefixes: PrefixCache | None = None,
         row_tokens: int | None = None,
         rope: LengthDependentRope | None = None,
+        proven: Proven | None = None,
     ):
         """row_tokens: the most tokens one row holds (prompt and reply); the model's context by
         default. rope: the model's length_dependent_rope (ortforge.decoder): a prompt that ends
         past its limit runs whole, without a reused start, a run past it advances one row, and a
-        row first passing it is recomputed whole where the model's generate does so."""
+        row first passing it is recomputed whole where the model's generate does so. proven:
+        what validate proved of the variant's runs (ortforge.decoder.proven_runs): without
+        pieces, prompts run whole; without batched rows, each row steps alone."""
         if slots < 1:
             raise ValueError(f"slots {slots} must be at least 1")
         # The graph's facts, check_fits and runs_like_any.
-        self.single = Decoder(session, prefill_chunk=prefill_chunk, rope=rope)
+        self.single = Decoder(session, prefill_chunk=prefill_chunk, rope=rope, proven=proven)
         if not self.single.shared:
             raise ValueError("this graph concatenates its KV cache (no shared buffers); it runs one sequence at a time")
         self.session, self.slots, self.prefill_chunk, self.prefixes = session, slots, prefill_chunk, prefixes
@@ -108,6 +111,7 @@ class BatchDecoder:
         shape = (slots, self.single.kv_heads, self.row_tokens, self.single.cache_dim)
         self._maps = [_anonymous_map(shape, self.single.kv_dtype) for _ in self._past]
         self._arrays = [array for array, _ in self._maps]
+        self._bindings: dict[tuple[int, int], ort.IOBinding] = {}  # by rows (start, stop)
         self._shrink = None  # a session without onnxruntime's CPU arena has nothing to give back
         if session.get_session_options().enable_cpu_mem_arena:
             self._shrink = ort.RunOptions()
@@ -189,7 +193,7 @@ class BatchDecoder:
         # (both are overwritten before they are read); either way its length stays.
         totals = np.array([self.lengths[r] + 1 for r in range(rows)], dtype=np.int64)
         ids = np.array([[tokens.get(r, 0)] for r in range(rows)], dtype=np.int64)
-        if not self.single.runs_like_any(int(totals.max())):
+        if not self.single.batches_like_alone(int(totals.max())):
             return {row: self._step_alone(row, token) for row, token in tokens.items()}
         mask = (np.arange(int(totals.max()))[None, :] < totals[:, None]).astype(np.int64)
         logits = self._run(ids, mask, totals[:, None] - 1, slice(0, rows))
@@ -206,7 +210,8 @@ class BatchDecoder:
 
     def _step_alone(self, row: int, token: int) -> np.ndarray:
         """One token for one row in a run of that row only: the run is as long as the row, as the
-        reference's own step (a wider one would change a length-dependent rope's frequencies)."""
+        reference's own step (a wider one would change a length-dependent rope's frequencies, and
+        other rows would change one-scale-per-run activation codes)."""
         held, total = self.lengths[row], self.lengths[row] + 1
         recompute = self.single.recomputes(held, 1)  # the whole row again, as its generate does
         ids = np.array([[*self.row_ids[row], token] if recompute else [token]], dtype=np.int64)
@@ -230,21 +235,31 @@ class BatchDecoder:
         if total > self.row_tokens:
             raise ValueError(f"{total} tokens do not fit a row of {self.row_tokens}; the scheduler admits what fits")
 
+    def _binding(self, rows: slice):
+        """The I/O binding of runs over buffer rows `rows`, its KV buffers bound once: the maps
+        never move, so a view of the rows stays valid (a step binds the same 2 x layers buffers
+        every time; binding them anew cost a tenth of a small model's step)."""
+        key = (rows.start, rows.stop)
+        if key not in self._bindings:
+            binding = self._bindings[key] = self.session.io_binding()
+            binding.bind_output(names.LOGITS)  # first: get_outputs()[0], however often it is bound again
+            for past, present, array in zip(self._past, self._present, self._arrays, strict=True):
+                value = ort.OrtValue.ortvalue_from_numpy(array[rows])  # a view: rows are contiguous
+                binding.bind_ortvalue_input(past, value)
+                binding.bind_ortvalue_output(present, value)
+            if self.single.can_keep_last:
+                binding.bind_cpu_input(names.LOGITS_TO_KEEP, np.array([1], dtype=np.int64))
+        return self._bindings[key]
+
     def _run(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, rows: slice, options=None) -> np.ndarray:
         """One run over buffer rows `rows`."""
-        binding = self.session.io_binding()
+        binding = self._binding(rows)
         binding.bind_cpu_input(names.INPUT_IDS, ids)
         if self.single.uses_attention_mask:
             binding.bind_cpu_input(names.ATTENTION_MASK, mask)
         if self.single.uses_position_ids:
             binding.bind_cpu_input(names.POSITION_IDS, np.ascontiguousarray(positions))
-        if self.single.can_keep_last:
-            binding.bind_cpu_input(names.LOGITS_TO_KEEP, np.array([1], dtype=np.int64))
-        binding.bind_output(names.LOGITS)
-        for past, present, array in zip(self._past, self._present, self._arrays, strict=True):
-            value = ort.OrtValue.ortvalue_from_numpy(array[rows])  # a view: rows are contiguous
-            binding.bind_ortvalue_input(past, value)
-            binding.bind_ortvalue_output(present, value)
+        binding.bind_output(names.LOGITS)  # bound again each run: onnxruntime allocates its new shape
         self.session.run_with_iobinding(binding, options)
         return binding.get_outputs()[0].numpy()
 
