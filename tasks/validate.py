@@ -39,7 +39,6 @@ from tasks.evaluation.metrics import (
     windowed_kl,
 )
 from tasks.graphs import onnx_io
-from tasks.measurement.tuning import PREFILL_CHUNKS
 from tasks.quantization import coverage, kv_cache, per_token
 from tasks.quantization.configs import QuantizeConfig
 
@@ -248,7 +247,7 @@ def prove_deployment(variant_dir: Path, checked_dir: Path, ids: np.ndarray) -> d
         return create_session(checked_dir, SessionSettings(intra_op_threads=threads, graph_level=level))
 
     config = json.loads((variant_dir / MODEL_CONFIG_FILE).read_text(encoding="utf-8"))
-    return deployment.prove(session_of, length_dependent_rope(variant_dir), ids, config, PREFILL_CHUNKS)
+    return deployment.prove(session_of, length_dependent_rope(variant_dir), ids, config, deployment.PREFILL_CHUNKS)
 
 
 def asked_widths(recipe: QuantizeConfig, manifest: dict) -> QuantizeConfig:

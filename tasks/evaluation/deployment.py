@@ -37,6 +37,7 @@ PAST_BOUNDARY = 48  # tokens the prompt reaches past the furthest boundary
 SHORTEST_PROMPT = 160  # several pieces of each tuned chunk
 UNEVEN_PIECES = (1, 7, 33)  # then the rest: pieces of any size, as the scheduler cuts them
 STEPS = 8  # decode steps compared after each prefill
+PREFILL_CHUNKS = (64, 32)  # the chunks bench's tuning tries (tasks/measurement/tuning.py), each proven here
 GRAPH_LEVELS = ("basic", "extended", "all")
 STAMPED = ("prefill_pieces", "batched_rows", "session_settings")  # what the runtime and tuning read
 

@@ -20,8 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
+from tasks.evaluation.deployment import PREFILL_CHUNKS
+
 log = logging.getLogger(__name__)
-PREFILL_CHUNKS = (64, 32)  # the chunks tried; validate proves each (tasks/evaluation/deployment.py)
 
 
 def dimensions(cores: int) -> dict[str, list]:
