@@ -8,7 +8,10 @@ timed at 1, 2, 4, 8, 16 and 128 rows, in a graph of as many distinct copies of t
 takes to outgrow the CPU's last-level cache (so the weights stream from memory, as a whole model's
 do; one small matrix run again and again would sit in cache). Candidates: float32 MatMul,
 MatMulNBits (4 and 8 bits, accuracy level 0: float activations, 4: int8 activations per block),
-and DynamicQuantizeLinear + MatMulInteger (int8 weights, int8 activations with one scale per run).
+DynamicQuantizeLinear + MatMulInteger (int8 weights, int8 activations with one scale per run), and
+the per-token int8 matmul the int8_per_token method writes (tasks/quantization/per_token.py: its
+own nodes, activations quantized per row in the graph). The activation's quantization runs once,
+shared by the copies, as one quantization serves every matmul reading an input in a model.
 Random weights: speed does not depend on their values.
 
     python benchmarks/kernels.py [--models smollm2-135m,llama-3.2-1b,llama-3.1-8b] [--rows 1,2,4,8,16,128]
@@ -42,6 +45,7 @@ SHAPES = {
     "llama-3.2-1b": (2048, 8192),
     "llama-3.1-8b": (4096, 14336),
 }
+PER_TOKEN = "MatMulInteger int8 (per token)"
 STREAMED_BYTES = 128 << 20  # each kernel's weights in all: 4x this machine's 32 MB last-level cache
 KERNELS = (
     "MatMul fp32",
@@ -50,6 +54,7 @@ KERNELS = (
     "MatMulNBits 4-bit blk128 acc4",
     "MatMulNBits 8-bit blk32 acc4",
     "MatMulInteger int8 (dynamic)",
+    PER_TOKEN,
 )
 
 
@@ -92,16 +97,32 @@ def _weights(kernel: str, k: int, n: int, index: int, rng: np.random.Generator):
     return [numpy_helper.from_array(codes, w)], nodes
 
 
+def per_token_graph(k: int, n: int, copies: int, rng: np.random.Generator) -> tuple[list, list]:
+    """The initializers and nodes int8_per_token writes for Y<i> = A x W<i>, through its own writer."""
+    from onnx import helper
+
+    from tasks.quantization import per_token
+    from tasks.quantization.writer import GraphWriter
+
+    model = helper.make_model(helper.make_graph([], "kernel", [], []))
+    writer = GraphWriter(model)
+    tokens = per_token.TokenQuantizer(writer)
+    for index in range(copies):
+        weights = rng.standard_normal((k, n), dtype=np.float32) * 0.02
+        per_token.write_integer_matmul(writer, tokens, "A", f"Y{index}", f"W{index}", weights)
+    return list(model.graph.initializer), list(model.graph.node)
+
+
 def session(kernel: str, k: int, n: int, copies: int, threads: int):
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(0)
-    initializers, nodes = [], []
+    initializers, nodes = per_token_graph(k, n, copies, rng) if kernel == PER_TOKEN else ([], [])
     if kernel.startswith("MatMulInteger"):  # the activation's quantization runs once, shared by the copies
         nodes.append(helper.make_node("DynamicQuantizeLinear", ["A"], ["Aq", "As", "Az"]))
         initializers.append(numpy_helper.from_array(np.array(0, np.int8), "Wz"))
-    for index in range(copies):
+    for index in range(copies if kernel != PER_TOKEN else 0):
         weights, made = _weights(kernel, k, n, index, rng)
         initializers += weights
         nodes += made
