@@ -45,7 +45,7 @@ SHAPES = {
     "llama-3.2-1b": (2048, 8192),
     "llama-3.1-8b": (4096, 14336),
 }
-PER_TOKEN = "MatMulInteger int8 (per token)"
+PER_TOKEN = "MatMulIntegerToFloat int8 (per token)"
 STREAMED_BYTES = 128 << 20  # each kernel's weights in all: 4x this machine's 32 MB last-level cache
 KERNELS = (
     "MatMul fp32",
@@ -119,7 +119,7 @@ def session(kernel: str, k: int, n: int, copies: int, threads: int):
 
     rng = np.random.default_rng(0)
     initializers, nodes = per_token_graph(k, n, copies, rng) if kernel == PER_TOKEN else ([], [])
-    if kernel.startswith("MatMulInteger"):  # the activation's quantization runs once, shared by the copies
+    if kernel == "MatMulInteger int8 (dynamic)":  # the activation's quantization runs once, shared by the copies
         nodes.append(helper.make_node("DynamicQuantizeLinear", ["A"], ["Aq", "As", "Az"]))
         initializers.append(numpy_helper.from_array(np.array(0, np.int8), "Wz"))
     for index in range(copies if kernel != PER_TOKEN else 0):

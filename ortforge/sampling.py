@@ -59,12 +59,24 @@ class Sampler:
         temperature divides them: any temperature above 0 and any penalty stay finite. A NaN logit
         (a model fault) counts as impossible; if every logit is, ValueError names it."""
         s = self.sampling
+        if s.plain_greedy and (token := plain_argmax(logits)) is not None:
+            return token
         logits = penalized(finite(logits), seen, s.repetition_penalty)
         if s.greedy:
             return int(np.argmax(logits))
         scaled = (logits - logits.max()) / s.temperature  # <= 0: exp never overflows
         probabilities = truncated(np.exp(scaled) / np.exp(scaled).sum(), s.top_k, s.top_p)
         return int(self.rng.choice(probabilities.size, p=probabilities))
+
+
+def plain_argmax(logits: np.ndarray) -> int | None:
+    """The most likely token straight from the logits as they come (no float64 copy of the
+    vocabulary: the largest share of a greedy row's Python time, a millisecond at Gemma's 262k),
+    or None when they hold what finite() must settle: numpy's argmax lands on the first NaN if
+    there is one, and on -inf only when every logit is -inf."""
+    token = int(np.argmax(logits))
+    value = logits[token]
+    return None if np.isnan(value) or value == -np.inf else token
 
 
 def finite(logits: np.ndarray) -> np.ndarray:

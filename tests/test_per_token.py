@@ -53,7 +53,7 @@ def test_every_matmul_and_the_tied_lookup_are_int8_codes(w8a8):
     graph = onnx.load(str(w8a8 / "model.onnx"), load_external_data=False)
     ops = onnx_io.op_counts(graph)
     assert "MatMul" not in ops and "MatMulNBits" not in ops
-    assert ops["MatMulInteger"] > 0 and "DynamicQuantizeLinear" not in ops
+    assert ops[per_token.MATMUL] > 0 and "DynamicQuantizeLinear" not in ops and "MatMulInteger" not in ops
     coverage = read_manifest(w8a8)["coverage"]
     assert {role: list(rows) for role, rows in coverage.items()} == {
         "linear": ["8"],
@@ -103,9 +103,9 @@ def test_a_prompt_in_pieces_gives_the_whole_prompts_logits(w8a8):
 
 def test_float_compute_reads_the_same_codes_in_float(w8a8, tmp_path):
     graph = onnx.load(str(w8a8 / "model.onnx"), load_external_data=False)
-    count = onnx_io.op_counts(graph)["MatMulInteger"]
+    count = onnx_io.op_counts(graph)[per_token.MATMUL]
     assert per_token.float_compute(graph) == count
-    assert "MatMulInteger" not in onnx_io.op_counts(graph)
+    assert per_token.MATMUL not in onnx_io.op_counts(graph)
     onnx_io.save_runnable(graph, w8a8, tmp_path)
     ids = np.random.default_rng(4).integers(0, 384, 24)
     floats = full_pass_logits(Decoder(create_session(tmp_path)), ids)

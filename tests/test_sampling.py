@@ -13,7 +13,7 @@ from ortforge import cli
 from ortforge.chat import render_chat, until_stop
 from ortforge.generate import TextGenerator
 from ortforge.greedy import greedy_tokens
-from ortforge.sampling import Sampler, Sampling, penalized, truncated
+from ortforge.sampling import Sampler, Sampling, finite, penalized, truncated
 
 PROMPT = "The GNU General Public License is"
 CHATML = (
@@ -235,3 +235,21 @@ def test_no_temperature_or_penalty_makes_sampling_fail(temperature, penalty):
 def test_logits_with_nothing_finite_are_a_clear_error():
     with pytest.raises(ValueError, match="no finite logit"):
         Sampler(Sampling(temperature=1.0)).pick(np.full(10, np.nan, np.float32), [])
+
+
+@pytest.mark.parametrize(
+    "special",
+    [{}, {5: np.nan}, {0: np.nan, 9: np.inf}, {4: np.inf, 6: np.inf}, {2: -np.inf}, dict.fromkeys(range(10), -np.inf)],
+)
+def test_greedy_picks_as_the_float64_path_does_whatever_the_logits_hold(special):
+    """Plain greedy takes argmax on the logits as they come and falls back to the float64 path
+    only for what it must settle (a NaN, nothing above -inf): the same token either way."""
+    logits = np.random.default_rng(len(special)).normal(0, 5, 10).astype(np.float32)
+    for index, value in special.items():
+        logits[index] = value
+    greedy = Sampler(Sampling())
+    if not np.isfinite(logits).any() and not np.isposinf(logits).any():
+        with pytest.raises(ValueError, match="no finite logit"):
+            greedy.pick(logits, [])
+        return
+    assert greedy.pick(logits, [1, 2]) == int(np.argmax(finite(logits)))

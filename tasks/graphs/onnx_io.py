@@ -103,7 +103,9 @@ def op_counts(model) -> dict[str, int]:
 # What may stand between the output layer's matmul and the logits: a bias, a scale, a cast, and
 # final-logit softcapping (Gemma 2: 30 * tanh(x / 30)).
 TOWARD_LOGITS = frozenset({"Add", "Mul", "Div", "Tanh", "Cast", "Reshape", "Identity"})
-OUTPUT_MATMULS = frozenset({"MatMul", "MatMulNBits", "Gemm", "MatMulInteger", "DynamicQuantizeMatMul"})
+OUTPUT_MATMULS = frozenset(
+    {"MatMul", "MatMulNBits", "Gemm", "MatMulInteger", "MatMulIntegerToFloat", "DynamicQuantizeMatMul"}
+)
 
 
 def output_matmul(model):

@@ -29,7 +29,8 @@ LAYER_INDEX = re.compile(r"/layers\.(\d+)/|/h\.(\d+)/")  # LLaMA-style and GPT-2
 # Nodes a weight passes through from its initializer to the matmul that reads it, and the width
 # they imply: DequantizeLinear (static QDQ) reads 8-bit codes.
 WEIGHT_PATH = {"Cast", "Transpose", "Reshape", "DequantizeLinear"}
-MATMULS = {"MatMul", "Gemm", "FusedMatMul", "MatMulInteger", "DynamicQuantizeMatMul"}
+INTEGER_MATMULS = {"MatMulInteger", "MatMulIntegerToFloat", "DynamicQuantizeMatMul"}  # int8 codes, whatever their type
+MATMULS = {"MatMul", "Gemm", "FusedMatMul", *INTEGER_MATMULS}
 BITS_OF_TYPE = {1: 32, 10: 16, 16: 16, 2: 8, 3: 8, 21: 4, 22: 4}  # float, (b)float16, (u)int8, (u)int4
 EXPERTS_OP, QUANTIZED_EXPERTS_OP = "MoE", "QMoE"  # onnxruntime's mixture-of-experts operators
 # Where their expert weights are: MoE's fc1 and fc2 inputs; QMoE's codes and scales of each.
@@ -186,7 +187,7 @@ def _matrix(graph: _Graph, node) -> Weight | None:
     if found is None or len(found[0].dims) != 2:
         return None
     tensor, bits = found
-    if op in ("MatMulInteger", "DynamicQuantizeMatMul"):
+    if op in INTEGER_MATMULS:
         bits = 8
     if op == "Gather":
         role = "embedding"

@@ -1,5 +1,5 @@
 """Int8 weights per output channel, int8 activations per token (W8A8): every linear layer, the
-output layer and a tied embedding lookup become onnxruntime's integer matmul (MatMulInteger),
+output layer and a tied embedding lookup become onnxruntime's integer matmul,
 with each activation row quantized in the graph by its own largest magnitude.
 
 Why per token: onnxruntime's dynamic quantization (DynamicQuantizeLinear, DynamicQuantizeMatMul)
@@ -8,7 +8,8 @@ where a prompt is cut into pieces (a batched server row moved by 4.4% of the log
 SmolLM2). A scale per row (ReduceMax over the hidden axis) makes every row's codes its own: the
 same token gives the same logits alone, in a batch, or in any piece of a prompt.
 
-Why MatMulInteger: it reads each weight once for all the rows of a run (a decode step of 8 rows
+Why onnxruntime's integer matmul (MatMulIntegerToFloat: u8 x s8 products, times each column's
+scale): it reads each weight once for all the rows of a run (a decode step of 8 rows
 costs x1.2-1.4 one row, where MatMulNBits costs x2.3-2.7) and runs its u8 x s8 products on
 VNNI / AMX, so a prompt prefills several times faster (benchmarks/kernels.py).
 
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 LEVELS = 127  # symmetric int8 codes, weights and activations alike
 ACTIVATION_ZERO = 128  # uint8 activation codes are centred here
 CODES = "/per_token/codes"  # suffix of an activation's codes: <activation>/per_token/codes
+MATMUL, MS = "MatMulIntegerToFloat", "com.microsoft"
 
 
 def channel_codes(weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -58,6 +60,7 @@ class TokenQuantizer:
             "tiny": np.array(np.finfo(np.float32).tiny, dtype=np.float32),  # an all-zero row: codes 128
             "zero": np.array(ACTIVATION_ZERO, dtype=np.float32),
             "zero_code": np.array(ACTIVATION_ZERO, dtype=np.uint8),
+            "one": np.array(1.0, dtype=np.float32),
         }
         self.const = {key: writer.constant(f"/per_token/{key}", value) for key, value in consts.items()}
 
@@ -72,12 +75,11 @@ class TokenQuantizer:
                     _node("Abs", [x], stem + "/abs"),
                     _node("ReduceMax", [stem + "/abs", c["axes"]], stem + "/peak", keepdims=1),
                     _node("Max", [stem + "/peak", c["tiny"]], stem + "/range"),
-                    _node("Div", [c["levels"], stem + "/range"], stem + "/inverse"),
-                    _node("Mul", [x, stem + "/inverse"], stem + "/scaled"),
+                    _node("Div", [stem + "/range", c["levels"]], stem + "/scale"),
+                    _node("Div", [x, stem + "/scale"], stem + "/scaled"),
                     _node("Add", [stem + "/scaled", c["zero"]], stem + "/shifted"),
                     _node("Round", [stem + "/shifted"], stem + "/rounded"),
                     _node("Cast", [stem + "/rounded"], x + CODES, to=TensorProto.UINT8),
-                    _node("Div", [stem + "/range", c["levels"]], stem + "/scale"),
                 ]
             )
             self.done[x] = (x + CODES, stem + "/scale")
@@ -87,20 +89,18 @@ class TokenQuantizer:
 def write_integer_matmul(
     writer: GraphWriter, tokens: TokenQuantizer, x: str, output: str, stem: str, weights: np.ndarray, bias: str = ""
 ) -> str:
-    """output = x . weights (+ bias) through MatMulInteger on x's per-token codes; returns the
-    name of the int8 codes [K, N] it stored."""
-    from onnx import TensorProto
-
+    """output = x . weights (+ bias) on x's per-token codes: onnxruntime's MatMulIntegerToFloat
+    (the integer product times each column's scale, in one node), then each row's scale. Returns
+    the name of the int8 codes [K, N] it stored."""
     codes, scales = channel_codes(weights)
     stored = writer.constant(stem + "/codes", codes)
     column_scale = writer.constant(stem + "/scales", scales)
     x_codes, x_scale = tokens.codes(x)
     scaled = stem + "/scaled" if bias else output
+    c = tokens.const
     nodes = [
-        _node("MatMulInteger", [x_codes, stored, tokens.const["zero_code"]], stem + "/int32"),
-        _node("Cast", [stem + "/int32"], stem + "/float", to=TensorProto.FLOAT),
-        _node("Mul", [stem + "/float", x_scale], stem + "/row_scaled"),
-        _node("Mul", [stem + "/row_scaled", column_scale], scaled),
+        _node(MATMUL, [x_codes, stored, c["one"], column_scale, c["zero_code"]], stem + "/columns", domain=MS),
+        _node("Mul", [stem + "/columns", x_scale], scaled),
     ]
     if bias:
         nodes.append(_node("Add", [scaled, bias], output))
@@ -188,16 +188,19 @@ def float_compute(model) -> int:
     index = GraphIndex(model)
     one = "/per_token/float_compute/one"
     changed = 0
-    for node in [n for n in model.graph.node if n.op_type == "MatMulInteger" and n.input[0].endswith(CODES)]:
-        (cast,) = index.consumers[node.output[0]]
-        (row_scale,) = index.consumers[cast.output[0]]
-        x, weight = node.input[0][: -len(CODES)], node.input[1]
+    for node in [n for n in model.graph.node if n.op_type == MATMUL and n.input[0].endswith(CODES)]:
+        (row_scale,) = index.consumers[node.output[0]]
+        x, weight, column_scale = node.input[0][: -len(CODES)], node.input[1], node.input[3]
         model.graph.node.remove(node)
-        model.graph.node.remove(cast)
         model.graph.node.extend(
             [
                 helper.make_node("Cast", [weight], [weight + "/float"], name=weight + "/Cast", to=TensorProto.FLOAT),
-                helper.make_node("MatMul", [x, weight + "/float"], [cast.output[0]], name=node.name + "/float"),
+                helper.make_node(
+                    "MatMul", [x, weight + "/float"], [node.output[0] + "/float"], name=node.name + "/float"
+                ),
+                helper.make_node(
+                    "Mul", [node.output[0] + "/float", column_scale], [node.output[0]], name=node.name + "/Mul"
+                ),
             ]
         )
         row_scale.input[1] = one
