@@ -240,7 +240,7 @@ def llama_version(llama: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--variant", default="int4,int8,fp32", help="variants to serve, comma-separated")
+    parser.add_argument("--variant", default="int4,int8,w8a8,fp32", help="variants to serve, comma-separated")
     parser.add_argument("--streams", default="1,4,8")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)

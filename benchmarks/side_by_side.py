@@ -46,7 +46,7 @@ from tasks.measurement.timing import in_fresh_process  # noqa: E402
 RESULTS = REPO / "benchmarks" / "results"
 CACHE = REPO / "benchmarks" / ".cache"
 WORKLOADS = {"short": (128, 64), "long": (2048, 200)}
-SHOWN_VARIANTS = ("fp32", "int8", "int8_smooth", "int4", "int4_mixed")  # ortforge's rows, where built
+SHOWN_VARIANTS = ("fp32", "int8", "int8_smooth", "w8a8", "int4", "int4_mixed")  # ortforge's rows, where built
 LOOKUP_DRAFT = 3  # draft tokens per step for prompt lookup decoding (ortforge.lookup)
 
 

@@ -127,7 +127,8 @@ def test_a_peers_replayed_logits_score_as_the_live_decoder_does(built, params):
 
 
 def test_load_goals_compare_against_the_best_peer_within_our_quality_budget():
-    """OpenVINO's int4 is faster but outside our int4 budget: ortforge int4 is held to its int8."""
+    """OpenVINO's int4 is faster but outside our int4 budget, ortforge's int4 within it but slower
+    than its w8a8: our fastest within the budget is held to their fastest within it (int8)."""
     from benchmarks import load_peers
 
     def figures(rate: float, first_p95: float, gap_p95: float) -> dict:
@@ -148,25 +149,32 @@ def test_load_goals_compare_against_the_best_peer_within_our_quality_budget():
         "int4_ppl_budget": 1.07,
         "engines": {
             "OpenVINO GenAI int4, group 32 (CPU defaults)": engine(
-                1.2, figures(90, 0.1, 10), figures(500, 0.3, 20), 0.07
+                1.2, figures(90, 0.1, 10), figures(500, 0.3, 20), 0.03
             ),
             "OpenVINO GenAI int8 (CPU defaults)": engine(1.01, figures(80, 0.1, 10), figures(400, 0.3, 20), 0.05),
             "OpenVINO GenAI int8 (f32)": engine(None, figures(60, 0.2, 12), figures(900, 0.1, 20), 0.15),
-            "ortforge int4": engine(1.05, figures(100, 0.1, 8), figures(480, 0.25, 20), 0.08),
-            "ortforge int8": engine(1.003, figures(95, 0.1, 9), figures(300, 0.4, 30), 0.04),
+            "ortforge int4": engine(1.05, figures(100, 0.1, 8), figures(400, 0.25, 20), 0.08),
+            "ortforge int8": engine(1.003, figures(95, 0.1, 9), figures(300, 0.4, 30), 0.06),
+            "ortforge w8a8": engine(1.02, figures(100, 0.1, 8), figures(480, 0.25, 20), 0.04),
         },
     }
     said = load_peers.goals(report)
-    assert said[0].startswith("ortforge int4 at 8 streams: x1.20 the throughput of OpenVINO GenAI int8 (CPU defaults)")
+    assert said[0].startswith(
+        "within our int4 budget (ppl ratio <= 1.07), 8 streams: ortforge w8a8 x1.20 the throughput of "
+        "OpenVINO GenAI int8 (CPU defaults)"
+    )
     assert "(goal x1.2: met)" in said[0] and "250 ms against 300 ms (goal no worse: met)" in said[0]
-    assert "x0.75 the throughput of OpenVINO GenAI int8 (CPU defaults) (goal x1.2: not met)" in said[1]
+    assert "int8, 8 streams: ortforge int8 x0.75 the throughput of OpenVINO GenAI int8 (CPU defaults)" in said[1]
+    assert "(goal x1.2: not met)" in said[1]
     assert said[2] == (
-        "ortforge int4, 8 streams against 1: throughput x4.80 (goal x4: met), "
+        "ortforge int4, 8 streams against 1: throughput x4.00 (goal x4: met), "
         "p95 inter-token x2.50 (goal at most x3: met)"
     )
     assert "p95 inter-token x3.33 (goal at most x3: not met)" in said[3]
-    assert said[4].endswith("ortforge int4 80 ms against OpenVINO GenAI int4 70 ms (goal no slower: not met)")
-    assert said[5].endswith("ortforge int8 40 ms against OpenVINO GenAI int8 50 ms (goal no slower: met)")
+    assert said[5] == (
+        "first token, 128 tokens, batch 1, within our int4 budget: ortforge w8a8 40 ms against "
+        "OpenVINO GenAI int8 (CPU defaults) 50 ms (goal no slower: met)"
+    )
 
 
 def test_load_prompts_share_no_prefix():
