@@ -151,19 +151,10 @@ def linear_inputs(config) -> dict[str, int]:
 def check_block_sizes(root: Path, params) -> None:
     """StageError naming the build, the width and the fix when a weight-only variant's blocks
     cannot divide one of its model's layer widths (MatMulNBits stores whole blocks)."""
-    from transformers import AutoConfig
-
     from tasks.quantization.codes import MIN_BLOCK, layer_block
 
-    for name, spec in params.models.items():
+    for name, config in text_configs(root, params):
         variants = [v for v in params.variants_of(name) if params.variant(v).method == "weight_only"]
-        folder = config_before_download(root, name, spec) if variants else None  # no Hub request for nothing
-        if folder is None:
-            continue
-        try:
-            config = AutoConfig.from_pretrained(folder, trust_remote_code=spec.trust_remote_code).get_text_config()
-        except (OSError, ValueError, KeyError):  # download and export say what is wrong with it
-            continue
         for key, width in linear_inputs(config).items():
             for variant in variants:
                 if layer_block(width, params.variant(variant).block_size) is None:
@@ -174,12 +165,39 @@ def check_block_sizes(root: Path, params) -> None:
                     )
 
 
+def text_configs(root: Path, params) -> Iterator[tuple[str, object]]:
+    """(name, its text config) of each model whose config.json can be had before download (the
+    others are download's to explain)."""
+    from transformers import AutoConfig
+
+    for name, spec in params.models.items():
+        folder = config_before_download(root, name, spec)
+        if folder is None:
+            continue
+        try:
+            yield name, AutoConfig.from_pretrained(folder, trust_remote_code=spec.trust_remote_code).get_text_config()
+        except (OSError, ValueError, KeyError):  # download and export say what is wrong with it
+            continue
+
+
+def check_exporters(root: Path, params) -> None:
+    """StageError naming the model when no exporter its params allow can take its config (decided
+    from config.json alone: tasks/graphs/exporters.py), before DVC downloads or runs anything."""
+    from tasks.graphs import exporters
+
+    for name, config in text_configs(root, params):
+        refused = exporters.refusal(config, params.models[name].exporter)
+        if refused:
+            raise StageError(f"params.yaml models.{name}: {refused}")
+
+
 def before_build(root: Path, say: Callable[[str], object] = _warn) -> None:
-    """StageError (one line) when the params are invalid, name a path that does not exist, ask
-    blocks a model's widths cannot hold, name a task set with a bad row, or an output cannot be
-    written; cache objects written in place are dropped, saying so."""
+    """StageError (one line) when the params are invalid, name a path that does not exist, a model
+    no exporter takes, blocks a model's widths cannot hold, a task set with a bad row, or an output
+    cannot be written; cache objects written in place are dropped, saying so."""
     params = load_params(Path(root) / paths.PARAMS)
     check_named_paths(root, params)
+    check_exporters(root, params)
     check_block_sizes(root, params)
     check_task_sets(root, params)
     cache_links.remove_damaged(Path(root), say)

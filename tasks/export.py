@@ -41,12 +41,11 @@ from tasks.core import paths, resources
 from tasks.core.files import atomic_output_dir, atomic_write_json, folder_bytes, link_or_copy, megabytes
 from tasks.core.params import ExportConfig
 from tasks.core.stage import StageError, stage_cli
-from tasks.graphs import architecture, decoder_graph, onnx_io, shared_weights
+from tasks.graphs import architecture, decoder_graph, exporters, onnx_io, shared_weights
 from tasks.graphs.architecture import Architecture, expected_windows
 
 log = logging.getLogger(__name__)
 
-TASK = "text-generation-with-past"
 RECORD_FILE = "export.json"
 # Largest |ORT logit - PyTorch logit| allowed, relative to the largest |PyTorch logit|: float32
 # rounding stays near 1e-5; a wrong attention window or a dropped softcap is 1e-2 and more.
@@ -86,10 +85,6 @@ class ExportResult:
     size_mb: float
 
 
-def candidates(choice: str) -> tuple[str, ...]:
-    return ("ortforge", "genai", "optimum") if choice == "auto" else (choice,)
-
-
 def export_ortforge(hf_dir: Path, out: Path, trust_remote_code: bool, layers: list[int] | None = None) -> None:
     """The graph of decoder_graph.py beside links to the checkpoint's files (its external data)."""
     from transformers import AutoConfig
@@ -108,18 +103,6 @@ def export_ortforge(hf_dir: Path, out: Path, trust_remote_code: bool, layers: li
     onnx_io.save_graph_only(graph, out)
 
 
-def check_optimum_supports(arch: Architecture) -> None:
-    from optimum.exporters.onnx import model_configs  # noqa: F401  (registers the ONNX configs)
-    from optimum.exporters.tasks import TasksManager
-
-    try:
-        tasks = TasksManager.get_supported_tasks_for_model_type(arch.model_type, "onnx", library_name="transformers")
-    except KeyError:
-        tasks = {}
-    if TASK not in tasks:
-        raise ExportRefused(f"optimum-onnx cannot export model_type `{arch.model_type}` with a KV cache")
-
-
 def export_optimum(cfg: ExportConfig, hf_dir: Path, out: Path, trust_remote_code: bool) -> None:
     import torch
     from optimum.exporters.onnx import onnx_export_from_model
@@ -134,7 +117,7 @@ def export_optimum(cfg: ExportConfig, hf_dir: Path, out: Path, trust_remote_code
     # do_validation off: this stage compares the graph with PyTorch itself (parity below).
     refused_on_error(
         "optimum-onnx's export",
-        lambda: onnx_export_from_model(model, str(out), opset=cfg.opset, task=TASK, do_validation=False),
+        lambda: onnx_export_from_model(model, str(out), opset=cfg.opset, task=exporters.TASK, do_validation=False),
     )
 
 
@@ -269,7 +252,6 @@ def attempt(exporter: str, cfg: ExportConfig, hf_dir: Path, out: Path, arch: Arc
     elif exporter == "genai":
         export_genai(hf_dir, out)
     else:
-        check_optimum_supports(arch)
         export_optimum(cfg, hf_dir, out, trust_code)
     graph = onnx_io.load(out, with_weights=False)
     check_kv_names(graph, arch.num_layers)
@@ -297,8 +279,14 @@ def check_memory_for_builder(hf_dir: Path) -> None:
 def export_first_faithful(
     cfg: ExportConfig, choice: str, hf_dir: Path, tmp: Path, arch: Architecture, trust_code: bool
 ) -> dict:
-    refusals = {}
-    for exporter in candidates(choice):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(hf_dir, trust_remote_code=trust_code).get_text_config()
+    refusals = exporters.refusals(config, choice)  # those its config.json alone rules out
+    for exporter in exporters.candidates(choice):
+        if exporter in refusals:
+            log.warning("%s: %s", exporter, refusals[exporter])
+            continue
         out = tmp / exporter
         out.mkdir()
         log.info("exporting %s (%s) with %s", hf_dir, arch.architecture, exporter)
@@ -312,7 +300,7 @@ def export_first_faithful(
             shutil.rmtree(out)
             continue
         return {"exporter": exporter, "parity": figures, "refused": refusals}
-    tried = "; ".join(f"{name}: {why}" for name, why in refusals.items())
+    tried = "; ".join(f"{name}: {refusals[name]}" for name in exporters.candidates(choice))
     fix = "set models.<name>.exporter: optimum" if choice == "genai" else "use a supported causal LM"
     raise StageError(f"no exporter produced a faithful graph of {arch.architecture} ({tried}); {fix}")
 

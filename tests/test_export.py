@@ -14,7 +14,7 @@ from ortforge import names
 from tasks import export
 from tasks.core.params import ExportConfig
 from tasks.core.stage import StageError
-from tasks.graphs import onnx_io
+from tasks.graphs import exporters, onnx_io
 from tests import families
 from tests.conftest import EVAL_TEXT
 
@@ -135,6 +135,42 @@ def test_a_family_no_exporter_takes_is_refused_in_one_line_with_each_reason(fami
         export.run(ExportConfig(), "auto", hf, tmp_path / "onnx")
     message = str(refusal.value)
     assert "\n" not in message and message.startswith("no exporter produced a faithful graph")
-    assert all(f"{exporter}: " in message for exporter in export.candidates("auto"))
+    assert all(f"{exporter}: " in message for exporter in exporters.candidates("auto"))
     assert "onnxruntime running its graph" not in message
     assert not (tmp_path / "onnx").exists()
+
+
+def test_exporters_are_ruled_out_from_config_json_alone():
+    """ortforge's and genai's families and optimum's task list, read without exporting anything:
+    StarCoder2 none takes (refused before work); Falcon optimum lists, so its export decides."""
+    assert {"LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM"} <= exporters.genai_architectures()
+    llama = families.config_for("llama")
+    llama.architectures = ["LlamaForCausalLM"]
+    assert exporters.refusals(llama, "auto") == {} and exporters.refusal(llama, "auto") is None
+    starcoder2 = families.config_for("starcoder2")
+    starcoder2.architectures = ["Starcoder2ForCausalLM"]
+    assert exporters.refusal(starcoder2, "auto") == (
+        "no exporter can take Starcoder2ForCausalLM (ortforge: ortforge's exporter does not write it: it writes "
+        "llama, mistral, qwen2, qwen3 decoders, not model_type `starcoder2`; genai: onnxruntime-genai's builder does "
+        "not take Starcoder2ForCausalLM; optimum: optimum-onnx cannot export model_type `starcoder2` with a KV "
+        "cache); use a supported causal LM"
+    )
+    falcon = families.config_for("falcon")
+    falcon.architectures = ["FalconForCausalLM"]
+    assert (
+        set(exporters.refusals(falcon, "auto")) == {"ortforge", "genai"} and exporters.refusal(falcon, "auto") is None
+    )
+    only_genai = exporters.refusal(falcon, "genai")
+    assert only_genai.startswith("no exporter can take FalconForCausalLM (genai: ") and "exporter: auto" in only_genai
+
+
+def test_the_reference_stage_refuses_a_model_no_exporter_takes_before_pytorch_runs(tmp_path, monkeypatch):
+    """reference does not depend on export, so `dvc repro -k` reaches it after export refused."""
+    from tasks import reference
+    from tasks.core.params import EvalConfig
+
+    hf = families.build("starcoder2", tmp_path / "hf", EVAL_TEXT)
+    monkeypatch.setattr("tasks.evaluation.torch_decoder.TorchDecoder", None)  # PyTorch must not be reached
+    with pytest.raises(StageError, match=r"^no exporter can take Starcoder2ForCausalLM \(ortforge: "):
+        reference.run(EvalConfig(texts=[EVAL_TEXT]), hf, tmp_path / "reference")
+    assert not (tmp_path / "reference").exists()

@@ -167,6 +167,26 @@ def test_build_refuses_blocks_a_models_widths_cannot_hold_before_dvc(tmp_path, c
     assert err.count("\n") == 1 and not (tmp_path / "logs").exists()  # DVC never started
 
 
+def test_build_refuses_a_model_no_exporter_takes_before_dvc(tmp_path, capsys):
+    """StarCoder2: ortforge's and genai's exporters do not write it and optimum exports it without
+    a KV cache only, all decided from its config.json before DVC downloads or runs anything."""
+    from ortforge import cli
+    from tests import families
+    from tests.conftest import EVAL_TEXT
+
+    source = families.build("starcoder2", tmp_path / "src", EVAL_TEXT)
+    params = tiny_params(source)
+    params.setdefault("bench", {})
+    write_params(tmp_path, params)
+    for folder in ("eval", "tasks"):
+        shutil.copytree(REPO / "data" / folder, tmp_path / "data" / folder)
+    assert cli.main(["--root", str(tmp_path), "build"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: params.yaml models.tiny: no exporter can take Starcoder2ForCausalLM (ortforge: "), err
+    assert err.rstrip().endswith("with a KV cache); use a supported causal LM")
+    assert err.count("\n") == 1 and not (tmp_path / "logs").exists()  # DVC never started
+
+
 def test_build_refuses_a_hub_models_widths_from_its_config_alone_before_download(tmp_path, capsys, monkeypatch):
     """A Hub source not fetched yet: preflight reads its config.json alone at the pinned revision
     (here from a pre-filled hub cache, offline) and refuses before DVC downloads any weight."""
