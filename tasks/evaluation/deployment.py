@@ -137,14 +137,16 @@ def prove(session_of, rope, ids: np.ndarray, config: dict, chunks: tuple[int, ..
     from ortforge.batch import BatchDecoder
     from ortforge.decoder import Decoder
 
-    found = boundaries(config)
+    session = session_of(0, "all")
+    context = Decoder(session).context_length or len(ids)
+    found = {name: value for name, value in boundaries(config).items() if value < context}  # past it: nothing runs
     furthest = max(found.values(), default=0)
-    length = min(len(ids) - 1 - STEPS, max(SHORTEST_PROMPT, furthest + PAST_BOUNDARY))
+    room = min(len(ids) - 1, context) - STEPS - 1  # the prompt, its steps and one more token
+    length = min(room, max(SHORTEST_PROMPT, furthest + PAST_BOUNDARY))
     proof = Proof(length, found, {name: value for name, value in found.items() if value >= length})
     if proof.beyond_text:
         log.warning("the evaluation text (%d tokens) is too short to pass %s", length, proof.beyond_text)
     prompt, steps = ids[:length].tolist(), ids[length : length + STEPS].tolist()
-    session = session_of(0, "all")
 
     def decoder_of(chunk: int, on=session) -> Decoder:
         return Decoder(on, prefill_chunk=chunk, rope=rope)
