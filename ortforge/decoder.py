@@ -35,7 +35,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ortforge import names
-from ortforge.manifest import validation_stamp
+from ortforge.manifest import deployment_record
 from ortforge.session import SessionSettings, create_session
 
 # A quantized cache (GroupQueryAttention's k/v_quant_type) holds int8, or uint8 with two 4-bit values.
@@ -282,13 +282,9 @@ class Decoder:
 def proven_runs(model_dir: Path) -> Proven:
     """What validate proved of the artifact's runs, from its validation stamp: every way for a
     folder with no stamp (a graph used directly), none for a stamp that records no proof."""
-    stamp = validation_stamp(model_dir)
-    if not stamp.is_file():
+    record = deployment_record(model_dir)
+    if record is None:
         return Proven()
-    try:
-        record = json.loads(stamp.read_text(encoding="utf-8")).get(names.DEPLOYMENT_KEY) or {}
-    except (OSError, ValueError, AttributeError):
-        record = {}
     return Proven(pieces=record.get("prefill_pieces") is True, rows=record.get("batched_rows") is True)
 
 

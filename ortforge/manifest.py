@@ -7,7 +7,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from ortforge.names import MANIFEST_FILE, RUNTIME_SUFFIX, VALIDATION_SUFFIX
+from ortforge.names import DEPLOYMENT_KEY, MANIFEST_FILE, RUNTIME_SUFFIX, VALIDATION_SUFFIX
 
 CHUNK = 1 << 20
 
@@ -60,6 +60,19 @@ def runtime_config(model_dir: Path) -> Path:
     """Where an artifact's tuned settings live: beside its folder, like its validation stamp."""
     model_dir = Path(model_dir)
     return model_dir.with_name(model_dir.name + RUNTIME_SUFFIX)
+
+
+def deployment_record(folder: Path) -> dict | None:
+    """What validate proved of the runs of the variant in folder (its stamp's `deployment`: prefill
+    pieces, batched rows, session settings); None when there is no stamp, {} when it records none."""
+    stamp = validation_stamp(folder)
+    if not stamp.is_file():
+        return None
+    try:
+        record = json.loads(stamp.read_text(encoding="utf-8")).get(DEPLOYMENT_KEY)
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return record if isinstance(record, dict) else {}
 
 
 def check_validated(folder: Path, verify_files: bool = True) -> dict:

@@ -16,8 +16,9 @@ steps, pieces whose measured time is at most `prefill_share` times a step's (so 
 inter-token time stays within 1 + prefill_share times its unloaded value), times the number of
 prompts waiting per decoding row where more wait than decode (the batch fills sooner), the prompt
 with the fewest tokens left first (a short request arriving behind a long prompt starts within a
-piece's time). Pieces change where a prompt is cut, not what is computed; a model whose rotary frequencies
-depend on a run's length (LongRoPE) prefills whole prompts instead.
+piece's time). Pieces change where a prompt is cut, not what is computed; a variant validate did
+not prove pieces for (one activation scale per run), and a model whose rotary frequencies depend
+on a run's length past its limit (LongRoPE), prefill whole prompts instead.
 
 Nothing a job does can stop the loop: an exception while picking its token or calling its
 callbacks ends that job alone (its on_end gets "error: ..."), one from a batched run ends the jobs

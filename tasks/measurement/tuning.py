@@ -5,9 +5,9 @@ level, memory pattern and arena, and the decoder's prefill chunk.
 Coordinate descent: each setting in turn takes the value that generated fastest while the others
 stay at their best so far (9 trials on 2 cores instead of 144 for the full grid), among the
 settings the validate stage proved to leave the variant's logits as it checked them (a prefill
-chunk only where it proved pieces, thread counts and graph levels where it proved each). The objective is
-the whole workload's wall time (prefill plus every decode step), median of a few runs, each trial
-with its own session and a warm-up. A prefill chunk, like every other setting, wins only by being
+chunk only where it proved pieces, thread counts and graph levels where it proved each). The
+objective is the whole workload's wall time (prefill plus every decode step), median of a few
+runs, each trial with its own session and a warm-up. A prefill chunk, like every other setting, wins only by being
 faster; an application that needs to bound activation memory on long prompts can set one itself.
 """
 
@@ -54,13 +54,9 @@ def proven(model_dir: Path):
     """Which candidate settings leave the logits as validate checked them (its stamp's deployment,
     tasks/evaluation/deployment.py): a predicate over a settings dict. Without that record, none
     but onnxruntime's defaults."""
-    import json
+    from ortforge.manifest import deployment_record
 
-    from ortforge.manifest import validation_stamp
-    from ortforge.names import DEPLOYMENT_KEY
-
-    stamp = validation_stamp(model_dir)
-    record = json.loads(stamp.read_text(encoding="utf-8")).get(DEPLOYMENT_KEY, {}) if stamp.is_file() else {}
+    record = deployment_record(model_dir) or {}
     sessions = {(s["intra_op_threads"], s["graph_level"]) for s in record.get("session_settings", [])}
     sessions.add((0, "all"))  # onnxruntime's defaults: what validate itself ran
 
