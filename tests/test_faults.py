@@ -147,14 +147,11 @@ def test_build_refuses_a_path_params_names_that_does_not_exist_before_dvc(built,
     assert err.count("\n") == 1 and not (tmp_path / "logs").exists()  # DVC never started
 
 
-def test_build_refuses_blocks_a_models_widths_cannot_hold_before_dvc(tmp_path, capsys):
-    """A local model whose MLP is 72 wide (8 x 9: no block of 16 or more divides it) and weight-only
-    builds (int8 is the first): quantize would refuse it only after export, optimize and reference ran."""
+def refused_before_dvc(tmp_path, capsys, source) -> str:
+    """`ortforge build` of the tiny project over a local model folder: its one-line refusal, after
+    checking that it is one line and that DVC never started."""
     from ortforge import cli
-    from tests import tiny_models
-    from tests.conftest import EVAL_TEXT
 
-    source = tiny_models.build_hf_model(tmp_path / "src", EVAL_TEXT, intermediate_size=72)
     params = tiny_params(source)
     params.setdefault("bench", {})
     write_params(tmp_path, params)
@@ -162,29 +159,31 @@ def test_build_refuses_blocks_a_models_widths_cannot_hold_before_dvc(tmp_path, c
         shutil.copytree(REPO / "data" / folder, tmp_path / "data" / folder)
     assert cli.main(["--root", str(tmp_path), "build"]) == 2
     err = capsys.readouterr().err
+    assert err.count("\n") == 1 and not (tmp_path / "logs").exists(), err  # DVC never started
+    return err
+
+
+def test_build_refuses_blocks_a_models_widths_cannot_hold_before_dvc(tmp_path, capsys):
+    """A local model whose MLP is 72 wide (8 x 9: no block of 16 or more divides it) and weight-only
+    builds (int8 is the first): quantize would refuse it only after export, optimize and reference ran."""
+    from tests import tiny_models
+    from tests.conftest import EVAL_TEXT
+
+    source = tiny_models.build_hf_model(tmp_path / "src", EVAL_TEXT, intermediate_size=72)
+    err = refused_before_dvc(tmp_path, capsys, source)
     assert err.startswith("error: params.yaml builds tiny-int8: tiny's intermediate_size is 72, which no block"), err
     assert "build tiny with method int8_dynamic or fp16 instead of int8" in err
-    assert err.count("\n") == 1 and not (tmp_path / "logs").exists()  # DVC never started
 
 
 def test_build_refuses_a_model_no_exporter_takes_before_dvc(tmp_path, capsys):
     """StarCoder2: ortforge's and genai's exporters do not write it and optimum exports it without
     a KV cache only, all decided from its config.json before DVC downloads or runs anything."""
-    from ortforge import cli
     from tests import families
     from tests.conftest import EVAL_TEXT
 
-    source = families.build("starcoder2", tmp_path / "src", EVAL_TEXT)
-    params = tiny_params(source)
-    params.setdefault("bench", {})
-    write_params(tmp_path, params)
-    for folder in ("eval", "tasks"):
-        shutil.copytree(REPO / "data" / folder, tmp_path / "data" / folder)
-    assert cli.main(["--root", str(tmp_path), "build"]) == 2
-    err = capsys.readouterr().err
+    err = refused_before_dvc(tmp_path, capsys, families.build("starcoder2", tmp_path / "src", EVAL_TEXT))
     assert err.startswith("error: params.yaml models.tiny: no exporter can take Starcoder2ForCausalLM (ortforge: "), err
     assert err.rstrip().endswith("with a KV cache); use a supported causal LM")
-    assert err.count("\n") == 1 and not (tmp_path / "logs").exists()  # DVC never started
 
 
 def test_build_refuses_a_hub_models_widths_from_its_config_alone_before_download(tmp_path, capsys, monkeypatch):
