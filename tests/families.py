@@ -165,15 +165,22 @@ def build(family: str, folder: Path, text_path: Path, seed: int = 0, **overrides
     return folder
 
 
-def through_every_stage(family: str, root: Path, variants=("fp32", "int8", "int4"), **overrides) -> dict:
+def through_every_stage(
+    family: str, root: Path, variants=("fp32", "int8", "int4"), recipes: dict | None = None, **overrides
+) -> dict:
     """Build the family's tiny model (config values overridden) through download, export (auto),
     optimize, reference, quantize and validate (the tiny thresholds of tests/conftest.py); return
-    the folders and the reports."""
+    the folders and the reports. recipes: more variants, {name: (recipe, thresholds)}."""
     from tasks import download, export, optimize, quantize, reference, validate
     from tasks.core.params import Params
     from tests.conftest import EVAL_TEXT, tiny_params
 
-    params = Params.model_validate(tiny_params(build(family, root / "src", EVAL_TEXT, **overrides)))
+    values = tiny_params(build(family, root / "src", EVAL_TEXT, **overrides))
+    for name, (recipe, limits) in (recipes or {}).items():
+        values["quantize"][name] = recipe
+        values["validate"]["thresholds"][name] = limits
+        values["builds"][f"tiny-{name}"] = {"model": "tiny", "variant": name}
+    params = Params.model_validate(values)
     out = {name: root / name for name in ("hf", "onnx", "optimized", "reference")}
     download.run(params.model("tiny"), out["hf"])
     export.run(params.export, "auto", out["hf"], out["onnx"])

@@ -10,7 +10,7 @@ import onnx
 import pytest
 
 from ortforge import BatchDecoder, Decoder, create_session, names
-from ortforge.manifest import read_manifest
+from ortforge.manifest import read_manifest, validation_stamp
 from tasks import quantize
 from tasks.core.params import CalibrationConfig
 from tasks.evaluation.metrics import full_pass_logits
@@ -139,3 +139,30 @@ def test_smoothing_read_weight_by_weight_keeps_the_model_equal(built, tmp_path):
     head_dim = architecture.read(built["hf"]).head_dim
     after = full_pass_logits(Decoder(create_session(tmp_path), head_dim=head_dim, layout=names.KV_SHARED), ids)
     np.testing.assert_allclose(after, before, atol=2e-4)
+
+
+def test_mixture_of_experts_layers_take_8_bit_experts_beside_per_token_linears(tmp_path):
+    """A Qwen2-MoE-style model (shared expert, top-k of many): its attention and shared expert per
+    token, its routed experts 8-bit QMoE (QMoE takes no activation codes), its routers float; it
+    validates, and a row is the same, to float rounding, whatever its neighbours hold."""
+    from tests import families
+
+    limits = {
+        "ppl_ratio": 1.1,
+        "kl_divergence": 0.1,
+        "top1_agreement": 0.8,
+        "greedy_agreement": 0.0,
+        "kv_max_prob_diff": 0.1,
+    }
+    built = families.through_every_stage(
+        "qwen2_moe", tmp_path, variants=("w8a8",), recipes={"w8a8": ({"method": "int8_per_token"}, limits)}
+    )
+    folder = built["folders"]["w8a8"]
+    ops = onnx_io.op_counts(onnx.load(str(folder / "model.onnx"), load_external_data=False))
+    assert ops["QMoE"] > 0 and ops[per_token.MATMUL] > 0 and "MoE" not in ops
+    coverage = read_manifest(folder)["coverage"]
+    assert list(coverage["experts"]) == ["8"] and list(coverage["linear"]) == ["8"]
+    assert list(coverage["router"]) == ["32"]
+    assert validation_stamp(folder).is_file()  # validate passed it (a failure raises)
+    # QMoE groups a run's tokens by expert: float rounding apart, a row is what it is alone
+    np.testing.assert_allclose(rows_logits(folder, [1, 2, 3]), rows_logits(folder, list(range(300, 364))), atol=1e-4)

@@ -137,10 +137,15 @@ def _node(op: str, inputs: list[str], output: str, **attrs):
 
 def quantize_model(model, output_float: bool, store: WeightStore, data: ExternalData | None = None):
     """Rewrite model in place: every linear (siblings reading one input packed into one matmul and
-    split back) and, unless output_float, the output layer and a tied lookup, to per-token int8.
-    One group of weights is in memory at a time."""
+    split back) and, unless output_float, the output layer and a tied lookup, to per-token int8;
+    mixture-of-experts layers to onnxruntime's QMoE at 8 bits (its experts' weights int8, its
+    activations float: QMoE takes no activation codes). One group of weights is in memory at a
+    time. Returns model and notes for the manifest."""
     from onnx import helper
     from onnxruntime.transformers.onnx_model import OnnxModel
+
+    from tasks.quantization.configs import quantize_config
+    from tasks.quantization.experts import quantize_experts
 
     writer = GraphWriter(model, data)
     tokens = TokenQuantizer(writer)
@@ -162,6 +167,10 @@ def quantize_model(model, output_float: bool, store: WeightStore, data: External
         for linear in group:
             model.graph.node.remove(linear.node)
     log.info("quantized %d linear layers to per-token int8", len(linears))
+    num_layers = 1 + max((linear.layer for linear in linears if linear.layer is not None), default=0)
+    notes = quantize_experts(
+        writer, store, quantize_config(method="weight_only", bits=8, zero_point="none"), num_layers
+    )
     head = output_layer(model)
     if head is not None and not output_float:
         stem = "lm_head"
@@ -172,7 +181,7 @@ def quantize_model(model, output_float: bool, store: WeightStore, data: External
             model.graph.node.remove(head.gather)
     prune(model)  # the float weights (and Cast/Transpose nodes) nothing reads any more
     OnnxModel(model).topological_sort()
-    return model
+    return model, notes
 
 
 def float_compute(model) -> int:
