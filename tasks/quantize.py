@@ -163,6 +163,7 @@ def _per_token(cfg: QuantizeConfig, model_dir: Path, hf_dir: Path, calib: Calibr
         wanted = dict.fromkeys((group.activation for group in smoothing.smoothable_groups(model)), MAXIMUM)
         maxima = statistics(model, wanted, model_dir, hf_dir, calib)
         store = smoothing.SmoothedStore(store, smoothing.plan(model, maxima, cfg.smooth_alpha, store.array))
+        store.settle_inline()
     graph, notes = per_token.quantize_model(model, cfg.output_bits == 32, store, data)
     fold_chains(graph, store, data, among=source)  # what stays float (norms, biases) as plain float32
     copy_into(graph, store, data)

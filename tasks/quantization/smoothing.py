@@ -136,6 +136,18 @@ class SmoothedStore(WeightStore):
             return self.rescaling.apply(name, values.astype(np.float64)).astype(np.float32)
         return values
 
+    def settle_inline(self) -> None:
+        """Write the smoothed values of the touched initializers the graph holds inline (a norm's
+        gamma, mostly) into the graph itself, and read them as they are from then on: copy_into
+        leaves a small inline tensor where it is, unsmoothed (a 64-wide gamma is 256 bytes)."""
+        from onnx import numpy_helper
+
+        for tensor in self.model.graph.initializer:
+            if tensor.name in self.touched and tensor.data_location != 1:
+                smoothed = self.array(tensor.name)
+                tensor.CopyFrom(numpy_helper.from_array(smoothed.astype(np.float32), tensor.name))
+                self.touched.discard(tensor.name)
+
 
 def plan(model, activation_max: dict[str, np.ndarray], alpha: float, read) -> Rescaling:
     """The scales for every smoothable activation of model that activation_max covers; read(name)
