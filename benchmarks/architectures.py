@@ -1,8 +1,10 @@
 """Every architecture family ortforge takes, through every stage, as a table: a tiny random model
 of each family (tests/families.py: the family's real config class) is downloaded, exported
-(`auto`), optimized, quantized to fp32, int8 and int4 and validated against PyTorch, and its fp32
-artifact's prefill and cached decode are compared with PyTorch. The families no exporter takes
-(tests/families.py's REFUSED) get a row with the one-line refusal export gives.
+(`auto`), optimized, quantized to fp32, int8, int4 and w8a8 (per-token int8, held to the tiny
+int4's limits) and validated against PyTorch, and its fp32 artifact's prefill and cached decode
+are compared with PyTorch. The families no exporter takes (tests/families.py's REFUSED) get a row
+with their one-line refusal: before any work where config.json decides it (the build's preflight
+and the reference stage), else the export stage's.
 
     python benchmarks/architectures.py     # writes benchmarks/results/architectures.{json,md}
 
@@ -32,13 +34,17 @@ COLUMNS = (
     "fp32 vs PyTorch",
     "int8 ppl",
     "int4 ppl",
+    "w8a8 ppl",
     "int4 coverage",
     "int4 KB",
 )
 
 
 def row(family: str, root: Path) -> dict:
-    built = families.through_every_stage(family, root)
+    from tests.conftest import TINY_PARAMS
+
+    recipes = {"w8a8": ({"method": "int8_per_token"}, TINY_PARAMS["validate"]["thresholds"]["int4"])}
+    built = families.through_every_stage(family, root, ("fp32", "int8", "int4", "w8a8"), recipes)
     folders, reports = built["folders"], built["reports"]
     record = json.loads((folders["onnx"] / "export.json").read_text(encoding="utf-8"))
     int4 = reports["int4"]
@@ -58,18 +64,26 @@ def row(family: str, root: Path) -> dict:
 
 
 def refused_row(family: str, root: Path) -> dict:
-    """The export stage's one-line refusal of a family no exporter takes (passed: it was refused)."""
+    """The one-line refusal of a family no exporter takes (passed: it was refused): from its
+    config.json before any work where that decides it, else the export stage's."""
     from tasks import export
     from tasks.core.params import ExportConfig
     from tasks.core.stage import StageError
+    from tasks.graphs import exporters
     from tests.conftest import EVAL_TEXT
 
+    found = {"family": family, "config_class": families.REFUSED[family][0], "passed": True}
+    config = families.config_for(family)
+    config.architectures = [families.REFUSED[family][1]]
+    before_work = exporters.refusal(config, "auto")
+    if before_work:
+        return found | {"refusal": before_work, "refused_at": "before work"}
     hf = families.build(family, root / "hf", EVAL_TEXT)
     try:
         export.run(ExportConfig(), "auto", hf, root / "onnx")
     except StageError as refusal:
-        return {"family": family, "config_class": families.REFUSED[family][0], "refusal": str(refusal), "passed": True}
-    return {"family": family, "config_class": families.REFUSED[family][0], "refusal": None, "passed": False}
+        return found | {"refusal": str(refusal), "refused_at": "export"}
+    return found | {"refusal": None, "refused_at": None, "passed": False}
 
 
 def markdown(rows: list[dict]) -> str:
@@ -77,13 +91,14 @@ def markdown(rows: list[dict]) -> str:
     for r in rows:
         if "refusal" in r:
             why = (r["refusal"] or "exported: move it to tests/families.py's FAMILIES").replace("|", "/")
-            lines.append(f"| {r['family']} | {r['config_class']} | refused | {why} | - | - | - | - | - |")
+            where = f"refused {'at ' if r['refused_at'] == 'export' else ''}{r['refused_at']}"
+            lines.append(f"| {r['family']} | {r['config_class']} | {where} | {why} |" + " - |" * 6)
             continue
         refused = "; ".join(f"{name}: {why.split(' (')[0]}" for name, why in r["refused"].items()) or "-"
-        ppl = r["ppl_ratio"]
+        ppl = " | ".join(f"{r['ppl_ratio'][variant]:.4f}" for variant in ("int8", "int4", "w8a8"))
         lines.append(
             f"| {r['family']} | {r['config_class']} | {r['exporter']} | {refused} | {r['runtime_vs_pytorch']:.1e} | "
-            f"{ppl['int8']:.4f} | {ppl['int4']:.4f} | {r['int4_coverage']:.0%} | {r['int4_kb']:.0f} |"
+            f"{ppl} | {r['int4_coverage']:.0%} | {r['int4_kb']:.0f} |"
         )
     return "\n".join(lines) + "\n"
 
