@@ -141,8 +141,9 @@ def test_a_family_no_exporter_takes_is_refused_in_one_line_with_each_reason(fami
 
 
 def test_exporters_are_ruled_out_from_config_json_alone():
-    """ortforge's and genai's families and optimum's task list, read without exporting anything:
-    StarCoder2 none takes (refused before work); Falcon optimum lists, so its export decides."""
+    """ortforge's and genai's families, optimum's task list and what optimum is known to fail on,
+    read without exporting anything: StarCoder2 and Falcon's new decoder architecture none takes
+    (refused before work); Falcon-7B's layout optimum lists, so its export decides."""
     assert {"LlamaForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM"} <= exporters.genai_architectures()
     llama = families.config_for("llama")
     llama.architectures = ["LlamaForCausalLM"]
@@ -157,11 +158,25 @@ def test_exporters_are_ruled_out_from_config_json_alone():
     )
     falcon = families.config_for("falcon")
     falcon.architectures = ["FalconForCausalLM"]
-    assert (
-        set(exporters.refusals(falcon, "auto")) == {"ortforge", "genai"} and exporters.refusal(falcon, "auto") is None
+    assert exporters.refusal(falcon, "auto").endswith(
+        "optimum: optimum-onnx's export fails: its trace of Falcon's new decoder architecture fails (Sizes of "
+        "tensors must match)); use a supported causal LM"
     )
+    falcon.new_decoder_architecture = False  # Falcon-7B's layout: optimum may take it, its export decides
+    assert set(exporters.refusals(falcon, "auto")) == {"ortforge", "genai"} and not exporters.refusal(falcon, "auto")
     only_genai = exporters.refusal(falcon, "genai")
     assert only_genai.startswith("no exporter can take FalconForCausalLM (genai: ") and "exporter: auto" in only_genai
+
+
+@pytest.mark.parametrize("model_type", sorted(exporters.OPTIMUM_FAILS))
+def test_what_optimum_is_known_to_fail_on_still_fails(model_type, tmp_path):
+    """OPTIMUM_FAILS refuses these configs before any work; this exports one, so a new optimum
+    that mends it fails here instead of a model it could export being refused."""
+    family = next(f for f in families.REFUSED if families.config_for(f).model_type == model_type)
+    hf = families.build(family, tmp_path / "hf", EVAL_TEXT)
+    assert exporters.optimum_fails(families.config_for(family)) is not None
+    with pytest.raises(export.ExportRefused, match="optimum-onnx's export failed"):
+        export.export_optimum(ExportConfig(), hf, tmp_path / "onnx", False)
 
 
 def test_the_reference_stage_refuses_a_model_no_exporter_takes_before_pytorch_runs(tmp_path, monkeypatch):

@@ -13,6 +13,15 @@ import re
 
 TASK = "text-generation-with-past"  # optimum's task for a decoder with a KV cache
 EXPORTERS = ("ortforge", "genai", "optimum")  # the order auto tries them in
+# Configs optimum lists with a KV cache whose export fails all the same, by model_type: the config
+# flag that fails and why (tests/test_export.py exports each, so a new optimum that mends one
+# fails that test instead of refusing a model it could export).
+OPTIMUM_FAILS = {
+    "falcon": (
+        "new_decoder_architecture",
+        "its trace of Falcon's new decoder architecture fails (Sizes of tensors must match)",
+    ),
+}
 
 
 def candidates(choice: str) -> tuple[str, ...]:
@@ -60,7 +69,15 @@ def refusals(config, choice: str) -> dict[str, str]:
                 found[exporter] = f"onnxruntime-genai's builder does not take {architecture}"
         elif not optimum_takes(config.model_type):
             found[exporter] = f"optimum-onnx cannot export model_type `{config.model_type}` with a KV cache"
+        elif (fails := optimum_fails(config)) is not None:
+            found[exporter] = f"optimum-onnx's export fails: {fails}"
     return found
+
+
+def optimum_fails(config) -> str | None:
+    """Why optimum's export of a config it lists fails, where OPTIMUM_FAILS knows."""
+    flag, why = OPTIMUM_FAILS.get(config.model_type, (None, None))
+    return why if flag is not None and getattr(config, flag, False) else None
 
 
 def refusal(config, choice: str) -> str | None:
