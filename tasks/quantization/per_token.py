@@ -1,6 +1,7 @@
 """Int8 weights per output channel, int8 activations per token (W8A8): every linear layer, the
-output layer and a tied embedding lookup become onnxruntime's integer matmul,
-with each activation row quantized in the graph by its own largest magnitude.
+output layer and a tied embedding lookup become onnxruntime's integer matmul, with each
+activation row quantized in the graph by its own largest magnitude; mixture-of-experts layers
+become 8-bit QMoE.
 
 Why per token: onnxruntime's dynamic quantization (DynamicQuantizeLinear, DynamicQuantizeMatMul)
 takes one scale for the whole run, so a row's result depends on the other rows of the run and on
@@ -9,12 +10,12 @@ SmolLM2). A scale per row (ReduceMax over the hidden axis) makes every row's cod
 same token gives the same logits alone, in a batch, or in any piece of a prompt.
 
 Why onnxruntime's integer matmul (MatMulIntegerToFloat: u8 x s8 products, times each column's
-scale): it reads each weight once for all the rows of a run (a decode step of 8 rows
-costs x1.2-1.4 one row, where MatMulNBits costs x2.3-2.7) and runs its u8 x s8 products on
-VNNI / AMX, so a prompt prefills several times faster (benchmarks/kernels.py).
+scale): it reads each weight once for all the rows of a run (a decode step of 8 rows costs
+x1.2-1.4 one row, where MatMulNBits costs x2.3-2.7) and runs its u8 x s8 products on VNNI / AMX,
+so a prompt prefills several times faster (benchmarks/kernels.py).
 
-Activations are uint8 codes around 128 (MatMulInteger takes a scalar zero point; its fast kernels
-are u8 x s8): q = round(x * 127 / max|x|) + 128, in 1..255. Weights are symmetric int8 in
+Activations are uint8 codes around 128 (the integer matmul takes a scalar zero point; its fast
+kernels are u8 x s8): q = round(x * 127 / max|x|) + 128, in 1..255. Weights are symmetric int8 in
 -127..127 per output column. y = (q - 128) . W * (max|x| / 127) * scale[n]. On CPUs without VNNI,
 onnxruntime's u8 x s8 kernel adds pairs of products in 16 bits, which may saturate: validate
 measures the variant on the machine that will run it, and fails it there if so.
@@ -28,7 +29,7 @@ import numpy as np
 
 from tasks.graphs.weights import ExternalData, WeightStore, prune
 from tasks.quantization.layers import linear_layers, output_layer, sibling_groups, weight_matrix
-from tasks.quantization.writer import GraphWriter, group_bias
+from tasks.quantization.writer import GraphWriter, group_bias, packed_names, split_back
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +142,6 @@ def quantize_model(model, output_float: bool, store: WeightStore, data: External
     mixture-of-experts layers to onnxruntime's QMoE at 8 bits (its experts' weights int8, its
     activations float: QMoE takes no activation codes). One group of weights is in memory at a
     time. Returns model and notes for the manifest."""
-    from onnx import helper
     from onnxruntime.transformers.onnx_model import OnnxModel
 
     from tasks.quantization.configs import quantize_config
@@ -158,19 +158,16 @@ def quantize_model(model, output_float: bool, store: WeightStore, data: External
         if len(group) == 1:
             write_integer_matmul(writer, tokens, first.node.input[0], first.node.output[0], stem, weights, bias)
         else:
-            stem, packed = f"{stem}/packed{len(group)}", f"{first.node.output[0]}/packed{len(group)}"
+            stem, packed = packed_names(group)
             write_integer_matmul(writer, tokens, first.node.input[0], packed, stem, weights, bias)
-            widths = writer.constant(stem + "/widths", np.array([lin.width for lin in group], dtype=np.int64))
-            outputs = [linear.node.output[0] for linear in group]
-            model.graph.node.append(helper.make_node("Split", [packed, widths], outputs, axis=-1, name=stem + "/Split"))
+            split_back(writer, group, packed, stem)
         del weights
         for linear in group:
             model.graph.node.remove(linear.node)
     log.info("quantized %d linear layers to per-token int8", len(linears))
     num_layers = 1 + max((linear.layer for linear in linears if linear.layer is not None), default=0)
-    notes = quantize_experts(
-        writer, store, quantize_config(method="weight_only", bits=8, zero_point="none"), num_layers
-    )
+    experts = quantize_config(method="weight_only", bits=8, zero_point="none")  # QMoE's codes are symmetric
+    notes = quantize_experts(writer, store, experts, num_layers)
     head = output_layer(model)
     if head is not None and not output_float:
         stem = "lm_head"

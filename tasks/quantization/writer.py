@@ -122,8 +122,6 @@ def write_linears(
     writer: GraphWriter, store: WeightStore, group: list[Linear], codes: BlockCodes, accuracy_level: int
 ) -> None:
     """The group's MatMulNBits (codes hold its weights side by side), split back into each output."""
-    from onnx import helper
-
     first = group[0]
     stem = first.node.name or first.weight_name
     rank = 2 if first.node.op_type == "Gemm" else 3  # Gemm reads a matrix; the exporters' MatMuls [batch, seq, K]
@@ -131,10 +129,24 @@ def write_linears(
         bias = group_bias(writer, store, group, stem)
         write_matmul(writer, first.node.input[0], first.node.output[0], stem, codes, accuracy_level, bias, rank)
         return
-    stem, packed = f"{stem}/packed{len(group)}", f"{first.node.output[0]}/packed{len(group)}"
+    stem, packed = packed_names(group)
     bias = group_bias(writer, store, group, stem)
     write_matmul(writer, first.node.input[0], packed, stem, codes, accuracy_level, bias, rank)
-    widths = writer.constant(stem + "/widths", np.array([g.width for g in group], dtype=np.int64))
+    split_back(writer, group, packed, stem)
+
+
+def packed_names(group: list[Linear]) -> tuple[str, str]:
+    """The stem and output names of one matmul computing a group of linears side by side."""
+    first = group[0]
+    stem = first.node.name or first.weight_name
+    return f"{stem}/packed{len(group)}", f"{first.node.output[0]}/packed{len(group)}"
+
+
+def split_back(writer: GraphWriter, group: list[Linear], packed: str, stem: str) -> None:
+    """Split a group's packed output back into each linear's own output."""
+    from onnx import helper
+
+    widths = writer.constant(stem + "/widths", np.array([linear.width for linear in group], dtype=np.int64))
     outputs = [linear.node.output[0] for linear in group]
     writer.model.graph.node.append(helper.make_node("Split", [packed, widths], outputs, axis=-1, name=stem + "/Split"))
 
@@ -170,13 +182,10 @@ def write_float_linears(writer: GraphWriter, store: WeightStore, group: list[Lin
     into each output."""
     from onnx import helper
 
-    first = group[0]
-    stem, packed = f"{first.node.name}/packed{len(group)}", f"{first.node.output[0]}/packed{len(group)}"
+    stem, packed = packed_names(group)
     weights = writer.constant(stem + "/weight", np.concatenate([weight_matrix(lin, store) for lin in group], axis=1))
-    widths = writer.constant(stem + "/widths", np.array([linear.width for linear in group], dtype=np.int64))
-    outputs = [linear.node.output[0] for linear in group]
     graph = writer.model.graph
-    graph.node.append(helper.make_node("MatMul", [first.node.input[0], weights], [packed], name=stem))
-    graph.node.append(helper.make_node("Split", [packed, widths], outputs, axis=-1, name=stem + "/Split"))
+    graph.node.append(helper.make_node("MatMul", [group[0].node.input[0], weights], [packed], name=stem))
+    split_back(writer, group, packed, stem)
     for linear in group:
         graph.node.remove(linear.node)
