@@ -108,7 +108,9 @@ class Rescaling:
         both: its rows take its own input's scales, its columns divide by down_proj's input's."""
         weight = stored.T if name in self.transposed else stored  # [K, N], or a gamma [K]
         if name in self.rows:
-            weight = weight * self.rows[name][:, None]
+            # stored as float32 before the division, as smoothing group by group wrote it: the same
+            # bits as before this was streamed (int8_smooth sits within a rounding of its gates)
+            weight = (weight * self.rows[name][:, None]).astype(np.float32).astype(np.float64)
         if name in self.divided:
             weight = weight / self.divided[name]  # a gamma [K], or columns [*, K]: both divide the last axis
         return weight.T if name in self.transposed else weight
