@@ -29,26 +29,18 @@ from tasks.evaluation.metrics import (
     text_ids,
 )
 from tasks.evaluation.torch_decoder import torch_needs
-from tasks.graphs import architecture, exporters
+from tasks.graphs import architecture
 
 log = logging.getLogger(__name__)
 
 
-def run(cfg: EvalConfig, hf_dir: Path, out_dir: Path, exporter: str = "auto") -> Reference:
-    """exporter: the model's models.<name>.exporter; a model none of them can take is refused here,
-    before PyTorch runs (this stage does not depend on export, so `dvc repro -k` would reach it)."""
-    from transformers import AutoConfig
-
+def run(cfg: EvalConfig, hf_dir: Path, out_dir: Path) -> Reference:
     from tasks.evaluation.torch_decoder import TorchDecoder
 
     tokenizer_json = hf_dir / "tokenizer.json"
     if not tokenizer_json.is_file():
         raise StageError(f"{hf_dir} has no tokenizer.json; run the download stage first (dvc repro download@<model>)")
     arch = architecture.read(hf_dir)
-    trust = paths.remote_code_allowed(hf_dir)
-    refused = exporters.refusal(AutoConfig.from_pretrained(hf_dir, trust_remote_code=trust).get_text_config(), exporter)
-    if refused:
-        raise StageError(refused)
     check_fits_context(cfg, arch.context_length)
     inputs = {Path(text).name: text_ids(cfg, text, tokenizer_json) for text in cfg.texts}
     sequence = sequence_length(cfg, arch.context_length)
@@ -77,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         "reference",
         __doc__,
         flags,
-        lambda a: run(a.params.validation.eval, a.paths["hf"], a.paths["out"], a.params.models[a.model].exporter),
+        lambda a: run(a.params.validation.eval, a.paths["hf"], a.paths["out"]),
         argv,
         needs=needs,
     )

@@ -1,6 +1,6 @@
 """Which exporter may take a model, decided from its config.json alone, so a model no exporter
-takes is refused in one line before any work (the build's preflight, and the reference stage,
-which does not depend on export) instead of after download and PyTorch's reference run.
+takes is refused in one line before any work (the build's preflight, before DVC starts) instead of
+after download and PyTorch's reference run, and export skips the exporters its config rules out.
 
 An exporter this clears may still refuse a model when it runs (a graph that does not match
 PyTorch, a builder that fails on a config it half supports): the export stage says so in one line.
