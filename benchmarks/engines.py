@@ -173,10 +173,37 @@ def _run_genai(path: Path, prompt: list[int], new_tokens: int):
     return once
 
 
-def _run_llamacpp(path: Path, prompt: list[int], new_tokens: int, threads: int):
-    import llama_cpp
+def llamacpp_without_amx() -> bool:
+    """llama-cpp-python 0.3.36's extra CPU buffer types (its AMX path and repacked weights) crash
+    (SIGSEGV) on a prompt of 4 tokens or more on this AMX CPU; one token at a time runs. Where the CPU
+    has AMX they are turned off, and the result files say so."""
+    from ortforge.machine import cpu_flags
 
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=len(prompt) + new_tokens + 8, n_threads=threads, verbose=False)
+    return "amx_int8" in cpu_flags()
+
+
+def load_llamacpp(gguf: str, **options):
+    import llama_cpp
+    import llama_cpp.llama as module
+
+    if not llamacpp_without_amx():
+        return llama_cpp.Llama(model_path=gguf, verbose=False, **options)
+    defaults = llama_cpp.llama_model_default_params
+
+    def without_extra_buffers():  # Llama() reads its model params from here, with no option for it
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    module.llama_cpp.llama_model_default_params = without_extra_buffers
+    try:
+        return llama_cpp.Llama(model_path=gguf, verbose=False, **options)
+    finally:
+        module.llama_cpp.llama_model_default_params = defaults
+
+
+def _run_llamacpp(path: Path, prompt: list[int], new_tokens: int, threads: int):
+    llm = load_llamacpp(str(path), n_ctx=len(prompt) + new_tokens + 8, n_threads=threads)
 
     def once():
         llm.reset()
@@ -297,11 +324,7 @@ class LlamaCppDecoder:
     (its own KV cache, rewound by setting n_tokens), logits for every position (logits_all)."""
 
     def __init__(self, gguf: str, context: int, threads: int):
-        import llama_cpp
-
-        self.llm = llama_cpp.Llama(
-            model_path=gguf, n_ctx=context, n_batch=512, n_threads=threads, logits_all=True, verbose=False
-        )
+        self.llm = load_llamacpp(gguf, n_ctx=context, n_batch=512, n_threads=threads, logits_all=True)
 
     def empty_cache(self) -> int:
         return 0

@@ -161,7 +161,8 @@ def short_engines(model: str) -> dict[str, dict]:
     if (built := genai_int4(model)) is not None:
         specs["onnxruntime-genai int4 + its runtime"] = {"kind": "genai", "path": str(built)}
     if (gguf := gguf_file(model)) is not None and importlib.util.find_spec("llama_cpp") is not None:
-        specs[f"llama.cpp, {gguf.name.split('.')[-2]} GGUF"] = {"kind": "llamacpp", "path": str(gguf)}
+        handicap = " (AMX and repacked weights off: they crash here)" if engines.llamacpp_without_amx() else ""
+        specs[f"llama.cpp, {gguf.name.split('.')[-2]} GGUF{handicap}"] = {"kind": "llamacpp", "path": str(gguf)}
     if (built := openvino_int4(model)) is not None:
         specs["OpenVINO GenAI int4 (group 32)"] = {
             "kind": "openvino",
