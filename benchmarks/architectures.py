@@ -3,8 +3,9 @@ of each family (tests/families.py: the family's real config class) is downloaded
 (`auto`), optimized, quantized to fp32, int8, int4 and w8a8 (per-token int8, held to the tiny
 int4's limits) and validated against PyTorch, and its fp32 artifact's prefill and cached decode
 are compared with PyTorch. The families no exporter takes (tests/families.py's REFUSED) get a row
-with their one-line refusal: before any work where config.json decides it (the build's preflight
-and the reference stage), else the export stage's.
+with their one-line refusal: before any work where config.json decides it (the build's preflight,
+before DVC starts), else the export stage's. A configuration that changes how a family computes
+(tests/families.py's CONFIGURATIONS: LongRoPE) gets its own row, its runtime check past the limit.
 
     python benchmarks/architectures.py     # writes benchmarks/results/architectures.{json,md}
 
@@ -40,21 +41,24 @@ COLUMNS = (
 )
 
 
-def row(family: str, root: Path) -> dict:
+def row(family: str, root: Path, name: str | None = None, overrides: dict | None = None, prefill: int = 14) -> dict:
+    """name, overrides: a named configuration of the family (tests/families.py's CONFIGURATIONS);
+    prefill: the prompt tokens the runtime-vs-PyTorch check runs whole before its cached steps."""
     from tests.conftest import TINY_PARAMS
 
     recipes = {"w8a8": ({"method": "int8_per_token"}, TINY_PARAMS["validate"]["thresholds"]["int4"])}
-    built = families.through_every_stage(family, root, ("fp32", "int8", "int4", "w8a8"), recipes)
+    variants = ("fp32", "int8", "int4", "w8a8")
+    built = families.through_every_stage(family, root, variants, recipes, **(overrides or {}))
     folders, reports = built["folders"], built["reports"]
     record = json.loads((folders["onnx"] / "export.json").read_text(encoding="utf-8"))
     int4 = reports["int4"]
     return {
-        "family": family,
+        "family": name or family,
         "config_class": families.FAMILIES[family][0],
         "exporter": record["exporter"],
         "refused": record["refused"],
         "export_parity": record["parity"]["max_relative_logit_diff"],
-        "runtime_vs_pytorch": families.runtime_gap(folders["fp32"], folders["hf"]),
+        "runtime_vs_pytorch": families.runtime_gap(folders["fp32"], folders["hf"], prefill=prefill),
         "ppl_ratio": {variant: figures["ppl_ratio"] for variant, figures in reports.items()},
         "int4_coverage": int4["coverage"]["share_as_asked"],
         "int4_by_role": {role: sorted(rows) for role, rows in int4["coverage"]["by_role"].items()},
@@ -110,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
         for family in families.FAMILIES:
             rows.append(row(family, Path(scratch) / family))
             print(f"{family}: {rows[-1]['exporter']}, runtime vs PyTorch {rows[-1]['runtime_vs_pytorch']:.1e}")
+        for name, (family, overrides, prefill) in families.CONFIGURATIONS.items():
+            rows.append(row(family, Path(scratch) / name.replace(" ", "_"), name, overrides, prefill))
+            print(f"{name}: {rows[-1]['exporter']}, runtime vs PyTorch {rows[-1]['runtime_vs_pytorch']:.1e}")
         for family in families.REFUSED:
             rows.append(refused_row(family, Path(scratch) / family))
             print(f"{family}: {rows[-1]['refusal']}")

@@ -107,6 +107,25 @@ REFUSED: dict[str, tuple[str, str, dict]] = {
     "falcon": ("FalconConfig", "FalconForCausalLM", {"new_decoder_architecture": True, "num_kv_heads": 2}),
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {"sliding_window": SLIDING_WINDOW}),
 }
+# A configuration of a family that changes how it computes: Phi-3.5-mini's and Phi-4-mini's
+# LongRoPE, whose graph takes the long factors once a run passes the original context
+# (tests/test_longrope.py, and its own row in benchmarks/architectures.py).
+LONGROPE_LIMIT = 32  # original_max_position_embeddings: short enough that prompts and replies cross it
+LONGROPE_HALF_HEAD = 8  # 64 hidden / 4 heads / 2: one factor per rotary frequency
+LONGROPE = {
+    "rope_scaling": {
+        "type": "longrope",
+        "short_factor": [1.0] * LONGROPE_HALF_HEAD,
+        "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0],
+    },
+    "original_max_position_embeddings": LONGROPE_LIMIT,
+    "max_position_embeddings": 8 * LONGROPE_LIMIT,
+}
+# name: (family, config overrides, prompt tokens the runtime-vs-PyTorch check prefills: past the
+# LongRoPE limit, where one PyTorch pass over prompt and steps takes the long factors throughout).
+CONFIGURATIONS: dict[str, tuple[str, dict, int]] = {
+    "phi3 (LongRoPE)": ("phi3", LONGROPE, LONGROPE_LIMIT + 8),
+}
 GPT2_NAMES = {
     "hidden_size",
     "intermediate_size",

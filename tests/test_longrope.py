@@ -22,17 +22,7 @@ from tests import families
 from tests.conftest import EVAL_TEXT
 from tests.test_batching import run_jobs
 
-LIMIT = 32  # original_max_position_embeddings: short enough that prompts and replies cross it
-HALF_HEAD = 8  # 64 hidden / 4 heads / 2: one factor per rotary frequency
-LONGROPE = {
-    "rope_scaling": {
-        "type": "longrope",
-        "short_factor": [1.0] * HALF_HEAD,
-        "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0],
-    },
-    "original_max_position_embeddings": LIMIT,
-    "max_position_embeddings": 8 * LIMIT,
-}
+LIMIT, LONGROPE = families.LONGROPE_LIMIT, families.LONGROPE
 CHUNK = 8  # a prefill chunk such as bench's tuning writes into runtime.json
 NEW_TOKENS = 20
 
