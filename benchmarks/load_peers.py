@@ -276,9 +276,17 @@ def plot(report: dict, path: Path) -> None:
     figure.savefig(path, dpi=120)
 
 
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def result_name(model: str) -> str:
+    """load_peers for the default model, load_peers-<model> for another (the README shows both)."""
+    return "load_peers" if model == DEFAULT_MODEL else f"load_peers-{model}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--streams", default="1,4,8")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--prompt-tokens", type=int, default=128)
@@ -312,10 +320,11 @@ def main(argv: list[str] | None = None) -> int:
     for name, found in quality(args.model, defaults).items():
         report["engines"][name]["quality"] = found
     RESULTS.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(RESULTS / "load_peers.json", report)
-    plot(report, RESULTS / "load_peers.png")
+    name = result_name(args.model)
+    atomic_write_json(RESULTS / f"{name}.json", report)
+    plot(report, RESULTS / f"{name}.png")
     print(table(report), prefill_table(report), "\n".join(f"- {line}" for line in goals(report)), sep="\n\n")
-    print(f"wrote {RESULTS / 'load_peers.json'} and load_peers.png")
+    print(f"wrote {RESULTS / name}.json and {name}.png")
     return 0
 
 

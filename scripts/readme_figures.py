@@ -395,8 +395,8 @@ def kernel_rows() -> str:
     return "\n".join([head, "", kernels.table(report)])
 
 
-def load_peers_tables() -> str:
-    report = _json(RESULTS / "load_peers.json")
+def load_peers_tables(model: str = load_peers.DEFAULT_MODEL) -> str:
+    report = _json(RESULTS / f"{load_peers.result_name(model)}.json")
     head = (
         f"{report['model']}, {report['prompt_tokens']}-token prompts sharing no prefix, {report['new_tokens']} new "
         f"tokens, greedy, {report['requests_per_stream']} requests per stream, both engines in-process, medians of "
@@ -440,6 +440,10 @@ RENDERERS = {
     "task-ab-smollm2-135m": lambda: task_ab_table("smollm2-135m"),
     "task-ab-gemma3-270m": lambda: task_ab_table("gemma3-270m"),
     "load-peers-goals": lambda: "\n".join(f"- {g}" for g in load_peers.goals(_json(RESULTS / "load_peers.json"))),
+    "load-peers-gemma3-270m": lambda: load_peers_tables("gemma3-270m"),
+    "load-peers-goals-gemma3-270m": lambda: "\n".join(
+        f"- {g}" for g in load_peers.goals(_json(RESULTS / "load_peers-gemma3-270m.json"))
+    ),
 }
 
 
