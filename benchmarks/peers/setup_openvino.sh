@@ -16,8 +16,10 @@ command -v "$python" >/dev/null || python=python3
   || { echo "error: set PYTHON to a Python 3.11 interpreter" >&2; exit 2; }
 
 torch_pin=torch==2.13.0
+# transformers 5.0.0: optimum-intel 2.2.0 takes up to 5.5 but exports Gemma (2 and 3) only up to
+# 5.0 ("Maximum required is 5.0"); LLaMA-family exports work at 5.0.0 too.
 peer_pins=(openvino==2026.4.1 openvino-genai==2026.4.1.0 openvino-tokenizers==2026.4.1.0
-  optimum-intel==2.2.0 nncf==3.4.0)
+  optimum-intel==2.2.0 nncf==3.4.0 transformers==5.0.0)
 
 # True when every pin is installed, torch is the CPU build and torchvision is gone.
 check() {
