@@ -183,23 +183,24 @@ def llamacpp_without_amx() -> bool:
 
 
 def load_llamacpp(gguf: str, **options):
+    import contextlib
+    from unittest import mock
+
     import llama_cpp
-    import llama_cpp.llama as module
 
-    if not llamacpp_without_amx():
-        return llama_cpp.Llama(model_path=gguf, verbose=False, **options)
-    defaults = llama_cpp.llama_model_default_params
-
-    def without_extra_buffers():  # Llama() reads its model params from here, with no option for it
+    def without_extra_buffers(defaults=llama_cpp.llama_model_default_params):
         params = defaults()
         params.use_extra_bufts = False
         return params
 
-    module.llama_cpp.llama_model_default_params = without_extra_buffers
-    try:
+    # Llama() reads its model params from llama_cpp.llama_cpp's defaults, with no option for this one.
+    patched = (
+        mock.patch.object(llama_cpp.llama_cpp, "llama_model_default_params", without_extra_buffers)
+        if llamacpp_without_amx()
+        else contextlib.nullcontext()
+    )
+    with patched:
         return llama_cpp.Llama(model_path=gguf, verbose=False, **options)
-    finally:
-        module.llama_cpp.llama_model_default_params = defaults
 
 
 def _run_llamacpp(path: Path, prompt: list[int], new_tokens: int, threads: int):

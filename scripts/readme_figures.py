@@ -159,9 +159,10 @@ def _goal(value: float, goal: float, at_most: bool = False) -> str:
     return f"goal {'at most ' if at_most else 'x'}{goal:g}{' MB' if at_most else ''}: {'met' if met else 'not met'}"
 
 
-# The variants whose prefill the goals compare: int8_smooth prefills fast with one activation scale
-# per run (it cannot batch); the others are the serving candidates.
-PREFILL_VARIANTS = ("int8_smooth", "int8", "w8a8", "int4")
+# The variants whose prefill the goals compare: the serving candidates, and int8_smooth, which
+# prefills fast with one activation scale per run (it cannot batch) and is a comparison point.
+SERVING_VARIANTS = ("int8", "w8a8", "int4")
+PREFILL_VARIANTS = ("int8_smooth", *SERVING_VARIANTS)
 
 
 def side_by_side_goals() -> str:
@@ -187,7 +188,7 @@ def side_by_side_goals() -> str:
         lines.append(f"- int4 decode x{r:.2f} {peer} ({_goal(r, 1.5)})")
     for peer in (name for name in peers if name.startswith("OpenVINO GenAI")):  # the strongest prefill
         # goal variants only: int8_smooth prefills fastest but is a comparison point outside the quality goal
-        fastest = min(("int8", "w8a8", "int4"), key=lambda v: first(f"ortforge {v}"))
+        fastest = min(SERVING_VARIANTS, key=lambda v: first(f"ortforge {v}"))
         r = first(peer) / first(f"ortforge {fastest}")
         lines.append(
             f"- first token (128 tokens): ortforge {fastest} x{r:.2f} the speed of {peer}'s "
@@ -395,8 +396,16 @@ def kernel_rows() -> str:
     return "\n".join([head, "", kernels.table(report)])
 
 
+def _load_peers_report(model: str) -> dict:
+    return _json(RESULTS / f"{load_peers.result_name(model)}.json")
+
+
+def load_peers_goals(model: str = load_peers.DEFAULT_MODEL) -> str:
+    return "\n".join(f"- {goal}" for goal in load_peers.goals(_load_peers_report(model)))
+
+
 def load_peers_tables(model: str = load_peers.DEFAULT_MODEL) -> str:
-    report = _json(RESULTS / f"{load_peers.result_name(model)}.json")
+    report = _load_peers_report(model)
     head = (
         f"{report['model']}, {report['prompt_tokens']}-token prompts sharing no prefix, {report['new_tokens']} new "
         f"tokens, greedy, {report['requests_per_stream']} requests per stream, both engines in-process, medians of "
@@ -439,11 +448,9 @@ RENDERERS = {
     "load-peers": load_peers_tables,
     "task-ab-smollm2-135m": lambda: task_ab_table("smollm2-135m"),
     "task-ab-gemma3-270m": lambda: task_ab_table("gemma3-270m"),
-    "load-peers-goals": lambda: "\n".join(f"- {g}" for g in load_peers.goals(_json(RESULTS / "load_peers.json"))),
+    "load-peers-goals": load_peers_goals,
     "load-peers-gemma3-270m": lambda: load_peers_tables("gemma3-270m"),
-    "load-peers-goals-gemma3-270m": lambda: "\n".join(
-        f"- {g}" for g in load_peers.goals(_json(RESULTS / "load_peers-gemma3-270m.json"))
-    ),
+    "load-peers-goals-gemma3-270m": lambda: load_peers_goals("gemma3-270m"),
 }
 
 
