@@ -49,6 +49,18 @@ def test_channel_codes_keep_each_column_within_half_a_step():
     assert np.all(np.abs(codes * scales - weights) <= scales / 2 + 1e-7)
 
 
+def test_channel_codes_by_blocks_are_those_of_the_whole_matrix(monkeypatch):
+    """Coded a few columns at a time (the float64 temporaries of a block, not of an output layer),
+    every code and scale is the one the whole matrix gives, on a transposed view too (a tied
+    output layer is the embedding table's transpose)."""
+    table = np.random.default_rng(1).standard_normal((50, 16)).astype(np.float32)
+    whole = per_token.channel_codes(table.T)
+    monkeypatch.setattr(per_token, "CODE_COLUMNS", 7)  # 50 columns: blocks of 7, the last of 1
+    blocks = per_token.channel_codes(table.T)
+    assert np.array_equal(blocks[0], whole[0]) and np.array_equal(blocks[1], whole[1])
+    assert blocks[0].shape == (16, 50) and blocks[1].dtype == np.float32
+
+
 def test_every_matmul_and_the_tied_lookup_are_int8_codes(w8a8):
     graph = onnx.load(str(w8a8 / "model.onnx"), load_external_data=False)
     ops = onnx_io.op_counts(graph)

@@ -39,9 +39,23 @@ CODES = "/per_token/codes"  # suffix of an activation's codes: <activation>/per_
 MATMUL, MS = "MatMulIntegerToFloat", "com.microsoft"
 
 
+CODE_COLUMNS = 4096  # columns coded at a time: each column's codes are its own
+
+
 def channel_codes(weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """[K, N] float -> int8 codes [K, N] and a float32 scale per column [N] (symmetric, round to
-    nearest). A column of zeros gets scale 1 (its codes are 0 whatever the scale)."""
+    nearest). A column of zeros gets scale 1 (its codes are 0 whatever the scale). A block of
+    columns at a time, so the float64 temporaries are a block's: over a whole output layer
+    (Llama 3.2 1B's is [2048, 128256]) they took 4.2 GB and the stage 6.2 GB."""
+    codes = np.empty(weights.shape, dtype=np.int8)
+    scales = np.empty(weights.shape[1], dtype=np.float32)
+    for start in range(0, weights.shape[1], CODE_COLUMNS):
+        block = slice(start, start + CODE_COLUMNS)
+        codes[:, block], scales[block] = _block_codes(weights[:, block])
+    return codes, scales
+
+
+def _block_codes(weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     peak = np.abs(weights).max(axis=0).astype(np.float64)
     scales = np.where(peak > 0, peak / LEVELS, 1.0)
     codes = np.clip(np.rint(weights / scales), -LEVELS, LEVELS).astype(np.int8)
