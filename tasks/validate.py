@@ -13,6 +13,7 @@ message naming every failed check, its value and its threshold.
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import tempfile
@@ -214,6 +215,14 @@ def measure(variant_dir: Path, reference: Reference, cfg: EvalConfig) -> dict:
             )
             for name, text in reference.texts.items()
         }
+        kv_check = {
+            "float_compute": cached is not None,  # MatMulNBits at accuracy_level 0 on both sides
+            "quantized_cache_against_float_cache": float_cache is not None,
+        }
+        # The proof opens its own sessions (two at a time): the scoring ones go first, or a 1B
+        # int8 variant held four at once.
+        del decoder, cached, float_cache
+        gc.collect()
         proof = prove_deployment(variant_dir, checked_dir, next(iter(reference.texts.values())).ids)
     first = next(iter(per_text.values()))
     worst = {name: pick(figures[name] for figures in per_text.values()) for name, pick, _ in GATES if name in first}
@@ -224,10 +233,7 @@ def measure(variant_dir: Path, reference: Reference, cfg: EvalConfig) -> dict:
         "greedy_tokens_matched": first["greedy_tokens_matched"],
         "greedy_steps": first["greedy_steps"],
         "max_logit_diff": max(figures["max_logit_diff"] for figures in per_text.values()),
-        "kv_check": {
-            "float_compute": cached is not None,  # MatMulNBits at accuracy_level 0 on both sides
-            "quantized_cache_against_float_cache": float_cache is not None,
-        },
+        "kv_check": kv_check,
         "sequence_tokens": reference.sequence_tokens,
         "tokens_scored": first["tokens_scored"],  # per text
         "texts": per_text,
@@ -372,18 +378,20 @@ def cache_check_sessions(variant_dir: Path) -> tuple[int, int]:
 
 
 def needs(a) -> resources.Needs:
-    """One session's needs (resources.runtime_needs) for every session validate holds at once: the
-    variant's, the cache checks' (each loads the weights and prepacks its own copy) and one of the
-    deployment proof's (tasks/evaluation/deployment.py, over the cache check's graph)."""
+    """What validate holds at once, in sessions (each loads the weights and prepacks its own copy,
+    resources.runtime_needs), the larger of its two phases: scoring the texts (the variant's
+    session and the cache checks') and, after those are closed, the deployment proof
+    (tasks/evaluation/deployment.py: two sessions of the cache check's graph)."""
     variant_dir = a.paths["variant-dir"]
     one = resources.runtime_needs(variant_dir, a.params.validation.eval.window, "scoring windows")
     if not (variant_dir / MODEL_FILE).is_file():
         return one  # run() says which stage to run first
     extra, widen = cache_check_sessions(variant_dir)
     weights = folder_bytes(variant_dir, "model.onnx*")
-    return resources.Needs(
-        one.memory + (extra + 1) * 2 * widen * weights, one.disk, f"{one.basis}, {2 + extra} sessions held at once"
-    )
+    session = 2 * widen * weights  # one session of the cache check's graph
+    scoring, proof = one.memory + extra * session, resources.RUNTIME_MEMORY + 2 * session
+    held = f"{1 + extra} sessions held while scoring, 2 while proving its deployment"
+    return resources.Needs(max(scoring, proof), one.disk, f"{one.basis}, {held}")
 
 
 def main(argv: list[str] | None = None) -> int:
