@@ -185,3 +185,23 @@ def test_load_prompts_share_no_prefix():
     assert len(streams) == 3 and all(len(p) == 100 for p in flat) and len({p[0] for p in flat}) == 6
     with pytest.raises(SystemExit, match="the bench text has 1000 tokens; 12 prompts of 100 need more"):
         load_peers.stream_prompts(list(range(1000)), 6, 2, 100)
+
+
+def test_scale_load_goal_holds_our_fastest_against_the_peers_fastest():
+    """Random weights carry no quality, so at scale the goal is speed alone: ortforge's fastest
+    variant at 8 streams against OpenVINO GenAI's fastest, and first-token p95 against that one's."""
+    from benchmarks import scale
+
+    rows = {
+        "ortforge int4": {"streams_tok_s": 50.0, "streams_first_token_p95_ms": 4000.0},
+        "ortforge w8a8": {"streams_tok_s": 120.0, "streams_first_token_p95_ms": 2000.0},
+        "onnxruntime-genai int4": {"decode_tok_s": 30.0},
+        "OpenVINO GenAI int4 (CPU defaults)": {"streams_tok_s": 90.0, "streams_first_token_p95_ms": 2500.0},
+        "OpenVINO GenAI int8 (CPU defaults)": {"streams_tok_s": 100.0, "streams_first_token_p95_ms": 1600.0},
+    }
+    (line,) = scale.under_load_goals("llama-3.2-1b", rows)
+    assert line == (
+        "- llama-3.2-1b, 8 streams: ortforge w8a8 120.0 tok/s, x1.20 OpenVINO GenAI int8 (CPU defaults) "
+        "(goal at least x1.2: met); first-token p95 x1.25 its (goal at most x1: **not met**)"
+    )
+    assert scale.under_load_goals("llama-3.2-1b", {"ortforge int4": rows["ortforge int4"]}) == []
