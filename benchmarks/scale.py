@@ -462,7 +462,7 @@ def under_load_goals(name: str, rows: dict[str, dict]) -> list[str]:
     met = "met" if ratio >= 1.2 else "**not met**"
     return [
         f"- {name}, {STREAMS} streams: {best} {rows[best]['streams_tok_s']:.1f} tok/s, x{ratio:.2f} {peer} "
-        f"(goal at least x1.2: {met}); first-token p95 x{first:.2f} its (goal at most x1: "
+        f"(goal at least x1.2: {met}); first-token p95 x{first:.2f} the peer's (goal at most x1: "
         f"{'met' if first <= 1 else '**not met**'})"
     ]
 

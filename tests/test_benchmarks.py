@@ -202,6 +202,6 @@ def test_scale_load_goal_holds_our_fastest_against_the_peers_fastest():
     (line,) = scale.under_load_goals("llama-3.2-1b", rows)
     assert line == (
         "- llama-3.2-1b, 8 streams: ortforge w8a8 120.0 tok/s, x1.20 OpenVINO GenAI int8 (CPU defaults) "
-        "(goal at least x1.2: met); first-token p95 x1.25 its (goal at most x1: **not met**)"
+        "(goal at least x1.2: met); first-token p95 x1.25 the peer's (goal at most x1: **not met**)"
     )
     assert scale.under_load_goals("llama-3.2-1b", {"ortforge int4": rows["ortforge int4"]}) == []
