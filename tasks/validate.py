@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from ortforge.manifest import read_manifest, sha256_file, validation_stamp
-from ortforge.names import DEPLOYMENT_KEY, MANIFEST_FILE, MODEL_CONFIG_FILE, MODEL_FILE
+from ortforge.names import DEPLOYMENT_KEY, LOGITS, MANIFEST_FILE, MODEL_CONFIG_FILE, MODEL_FILE
 from tasks.core import paths, resources
 from tasks.core.files import atomic_write_json, folder_bytes
 from tasks.core.params import EvalConfig, Thresholds
@@ -377,19 +377,38 @@ def cache_check_sessions(variant_dir: Path) -> tuple[int, int]:
     return sessions, 4 if widened else 1
 
 
+# What the quantized cache's KL check (windowed_kl) adds per logit of a window: both decoders'
+# float32 logits and mean_kl's float64 temporaries (measured: 6.1 GB over 512 x 262,144 logits,
+# Gemma 3 270M int8_kv8, on top of the scoring's peak).
+KL_BYTES_PER_LOGIT = 48
+
+
+def kv_kl_bytes(variant_dir: Path, window: int) -> int:
+    """The memory the KL check of a quantized cache holds beyond the scoring (0 for a float cache)."""
+    import onnx
+
+    graph = onnx.load(str(variant_dir / MODEL_FILE), load_external_data=False)
+    if kv_cache.stored_bits(graph) >= 16:
+        return 0
+    (logits,) = [output for output in graph.graph.output if output.name == LOGITS]
+    return KL_BYTES_PER_LOGIT * window * logits.type.tensor_type.shape.dim[-1].dim_value
+
+
 def needs(a) -> resources.Needs:
     """What validate holds at once, in sessions (each loads the weights and prepacks its own copy,
     resources.runtime_needs), the larger of its two phases: scoring the texts (the variant's
-    session and the cache checks') and, after those are closed, the deployment proof
-    (tasks/evaluation/deployment.py: two sessions of the cache check's graph)."""
-    variant_dir = a.paths["variant-dir"]
-    one = resources.runtime_needs(variant_dir, a.params.validation.eval.window, "scoring windows")
+    session and the cache checks', and for a quantized cache its KL check's windows) and, after
+    those are closed, the deployment proof (tasks/evaluation/deployment.py: two sessions of the
+    cache check's graph)."""
+    variant_dir, window = a.paths["variant-dir"], a.params.validation.eval.window
+    one = resources.runtime_needs(variant_dir, window, "scoring windows")
     if not (variant_dir / MODEL_FILE).is_file():
         return one  # run() says which stage to run first
     extra, widen = cache_check_sessions(variant_dir)
     weights = folder_bytes(variant_dir, "model.onnx*")
     session = 2 * widen * weights  # one session of the cache check's graph
-    scoring, proof = one.memory + extra * session, resources.RUNTIME_MEMORY + 2 * session
+    scoring = one.memory + extra * session + kv_kl_bytes(variant_dir, window)
+    proof = resources.RUNTIME_MEMORY + 2 * session
     held = f"{1 + extra} sessions held while scoring, 2 while proving its deployment"
     return resources.Needs(max(scoring, proof), one.disk, f"{one.basis}, {held}")
 

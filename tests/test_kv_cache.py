@@ -225,8 +225,8 @@ def test_a_quantized_cache_without_a_cost_limit_is_refused_in_params(tiny_hf):
 
 def test_validate_budgets_memory_for_every_session_it_holds(built, kv_variants, params, tmp_path):
     """validate's preflight counts the sessions the cache checks really open, each holding the
-    weights, and the deployment proof's two after them, so a machine too small for the larger
-    phase is refused before the first session loads."""
+    weights, a quantized cache's KL windows, and the deployment proof's two sessions after them,
+    so a machine too small for the larger phase is refused before the first session loads."""
     from types import SimpleNamespace
 
     from tasks.core import resources
@@ -240,7 +240,11 @@ def test_validate_budgets_memory_for_every_session_it_holds(built, kv_variants, 
         stage = SimpleNamespace(paths={"variant-dir": folder}, params=params)
         one = resources.runtime_needs(folder, params.validation.eval.window, "scoring windows")
         weights = folder_bytes(folder, "model.onnx*")
-        scoring, proving = one.memory + opened * 2 * weights, resources.RUNTIME_MEMORY + 2 * 2 * weights
+        vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+        kl = validate.KL_BYTES_PER_LOGIT * params.validation.eval.window * vocab if name.endswith("kv8") else 0
+        assert validate.kv_kl_bytes(folder, params.validation.eval.window) == kl, name
+        scoring = one.memory + opened * 2 * weights + kl
+        proving = resources.RUNTIME_MEMORY + 2 * 2 * weights
         assert validate.needs(stage).memory == max(scoring, proving), name
         assert f"{1 + opened} sessions held while scoring, 2 while proving" in validate.needs(stage).basis
     assert validate.cache_check_sessions(kv_variants["fp32_kv8"]) == (1, 1)  # the float-cache twin
