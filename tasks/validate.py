@@ -409,7 +409,8 @@ def needs(a) -> resources.Needs:
     session = 2 * widen * weights  # one session of the cache check's graph
     scoring = one.memory + extra * session + kv_kl_bytes(variant_dir, window)
     proof = resources.RUNTIME_MEMORY + 2 * session
-    held = f"{1 + extra} sessions held while scoring, 2 while proving its deployment"
+    scoring_sessions = f"{1 + extra} session{'s' if extra else ''}"
+    held = f"{scoring_sessions} held while scoring, 2 while proving its deployment"
     return resources.Needs(max(scoring, proof), one.disk, f"{one.basis}, {held}")
 
 

@@ -246,6 +246,7 @@ def test_validate_budgets_memory_for_every_session_it_holds(built, kv_variants, 
         scoring = one.memory + opened * 2 * weights + kl
         proving = resources.RUNTIME_MEMORY + 2 * 2 * weights
         assert validate.needs(stage).memory == max(scoring, proving), name
-        assert f"{1 + opened} sessions held while scoring, 2 while proving" in validate.needs(stage).basis
+        held = f"{1 + opened} session{'s' if opened else ''} held while scoring, 2 while proving"
+        assert held in validate.needs(stage).basis, name
     assert validate.cache_check_sessions(kv_variants["fp32_kv8"]) == (1, 1)  # the float-cache twin
     assert validate.cache_check_sessions(kv_variants["int4_kv8"]) == (2, 1)  # and float compute
