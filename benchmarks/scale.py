@@ -406,12 +406,13 @@ def runtime_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def verdict(ok: bool) -> str:
+    return "met" if ok else "**not met**"
+
+
 def goals(report: dict) -> str:
     """The issue's goals, each against the figure that judges it, met or not."""
     models, lines = dict(by_size(report)), []
-
-    def verdict(ok: bool) -> str:
-        return "met" if ok else "**not met**"
 
     def peak(entry: dict) -> float:
         return max(r["peak_rss_bytes"] for r in entry["ortforge"]["stages"])
@@ -459,11 +460,10 @@ def under_load_goals(name: str, rows: dict[str, dict]) -> list[str]:
     best, peer = (max(group, key=lambda e: group[e]["streams_tok_s"]) for group in (ours, peers))
     ratio = rows[best]["streams_tok_s"] / rows[peer]["streams_tok_s"]
     first = rows[best]["streams_first_token_p95_ms"] / rows[peer]["streams_first_token_p95_ms"]
-    met = "met" if ratio >= 1.2 else "**not met**"
     return [
         f"- {name}, {STREAMS} streams: {best} {rows[best]['streams_tok_s']:.1f} tok/s, x{ratio:.2f} {peer} "
-        f"(goal at least x1.2: {met}); first-token p95 x{first:.2f} the peer's (goal at most x1: "
-        f"{'met' if first <= 1 else '**not met**'})"
+        f"(goal at least x1.2: {verdict(ratio >= 1.2)}); first-token p95 x{first:.2f} the peer's "
+        f"(goal at most x1: {verdict(first <= 1)})"
     ]
 
 
