@@ -183,7 +183,6 @@ def cache_check_decoders(variant_dir: Path, scratch: Path) -> tuple:
     behaviour): one with the variant's cache (None: no MatMulNBits or per-token matmul to change,
     the variant itself), for a quantized cache one with a float cache (None for a float cache), and
     the folder of the first one's graph."""
-    import onnx
 
     from ortforge.decoder import Decoder
     from ortforge.session import create_session
@@ -194,10 +193,10 @@ def cache_check_decoders(variant_dir: Path, scratch: Path) -> tuple:
         onnx_io.save_runnable(graph, variant_dir, folder)
         return Decoder(create_session(folder))
 
-    graph = onnx.load(str(variant_dir / MODEL_FILE), load_external_data=False)
+    graph = structure(variant_dir)
     exact = float_compute(graph) + per_token.float_compute(graph) > 0
     cached = decoder_over(graph, "cached") if exact else None
-    full = decoder_over(kv_cache.float_cache(graph), "float-cache") if kv_cache.stored_bits(graph) < 16 else None
+    full = decoder_over(kv_cache.float_cache(graph), "float-cache") if quantized_cache(graph) else None
     return cached, full, scratch / "cached" if exact else variant_dir
 
 
@@ -219,7 +218,7 @@ def measure(variant_dir: Path, reference: Reference, cfg: EvalConfig) -> dict:
             "float_compute": cached is not None,  # MatMulNBits at accuracy_level 0 on both sides
             "quantized_cache_against_float_cache": float_cache is not None,
         }
-        # The proof opens its own sessions (two at a time): the scoring ones go first, or a 1B
+        # The proof opens its own sessions (one at a time): the scoring ones go first, or a 1B
         # int8 variant held four at once.
         del decoder, cached, float_cache
         gc.collect()
@@ -268,11 +267,9 @@ def asked_widths(recipe: QuantizeConfig, manifest: dict) -> QuantizeConfig:
 def measure_coverage(variant_dir: Path, recipe: QuantizeConfig) -> dict:
     """What the graph stores at which width, against what params.yaml's recipe asks (not what the
     quantize stage recorded: a stage that ignored a key would agree with itself)."""
-    import onnx
-
     manifest = read_manifest(variant_dir)
     params = asked_widths(recipe, manifest)
-    graph = onnx.load(str(variant_dir / MODEL_FILE), load_external_data=False)
+    graph = structure(variant_dir)
     found = coverage.weights(graph)
     stored, asked = kv_cache.stored_bits(graph), params.kv_bits
     as_asked = stored == asked if asked else stored >= 16  # "float": float32, or float16 in an fp16 graph
@@ -364,16 +361,24 @@ def run(cfg: EvalConfig, asked: Asked, variant_dir: Path, reference_dir: Path, r
     return figures
 
 
-def cache_check_sessions(variant_dir: Path) -> tuple[int, int]:
-    """How many sessions besides the variant's own the cache checks open (cache_check_decoders):
-    one with float compute where the graph has int8-activation matmuls, one over a float cache
-    where the cache is quantized; and how many times the variant's weight bytes each holds (4 where
-    float compute turns per-token int8 codes into float32). Reads the graph's structure only."""
+def structure(variant_dir: Path):
+    """The variant's graph without its weights."""
     import onnx
 
-    graph = onnx.load(str(variant_dir / MODEL_FILE), load_external_data=False)
+    return onnx.load(str(variant_dir / MODEL_FILE), load_external_data=False)
+
+
+def quantized_cache(graph) -> bool:
+    return kv_cache.stored_bits(graph) < 16
+
+
+def cache_check_sessions(graph) -> tuple[int, int]:
+    """How many sessions besides the variant's own the cache checks open (cache_check_decoders):
+    one with float compute where the graph (structure) has int8-activation matmuls, one over a
+    float cache where the cache is quantized; and how many times the variant's weight bytes each
+    holds (4 where float compute turns per-token int8 codes into float32). Changes the graph."""
     widened = per_token.float_compute(graph) > 0
-    sessions = int(widened or float_compute(graph) > 0) + int(kv_cache.stored_bits(graph) < 16)
+    sessions = int(widened or float_compute(graph) > 0) + int(quantized_cache(graph))
     return sessions, 4 if widened else 1
 
 
@@ -383,12 +388,9 @@ def cache_check_sessions(variant_dir: Path) -> tuple[int, int]:
 KL_BYTES_PER_LOGIT = 48
 
 
-def kv_kl_bytes(variant_dir: Path, window: int) -> int:
+def kv_kl_bytes(graph, window: int) -> int:
     """The memory the KL check of a quantized cache holds beyond the scoring (0 for a float cache)."""
-    import onnx
-
-    graph = onnx.load(str(variant_dir / MODEL_FILE), load_external_data=False)
-    if kv_cache.stored_bits(graph) >= 16:
+    if not quantized_cache(graph):
         return 0
     (logits,) = [output for output in graph.graph.output if output.name == LOGITS]
     return KL_BYTES_PER_LOGIT * window * logits.type.tensor_type.shape.dim[-1].dim_value
@@ -398,19 +400,21 @@ def needs(a) -> resources.Needs:
     """What validate holds at once, in sessions (each loads the weights and prepacks its own copy,
     resources.runtime_needs), the larger of its two phases: scoring the texts (the variant's
     session and the cache checks', and for a quantized cache its KL check's windows) and, after
-    those are closed, the deployment proof (tasks/evaluation/deployment.py: two sessions of the
-    cache check's graph)."""
+    those are closed, the deployment proof (tasks/evaluation/deployment.py: one session of the
+    cache check's graph at a time)."""
     variant_dir, window = a.paths["variant-dir"], a.params.validation.eval.window
     one = resources.runtime_needs(variant_dir, window, "scoring windows")
     if not (variant_dir / MODEL_FILE).is_file():
         return one  # run() says which stage to run first
-    extra, widen = cache_check_sessions(variant_dir)
+    graph = structure(variant_dir)
+    kl_bytes = kv_kl_bytes(graph, window)  # before cache_check_sessions changes the graph
+    extra, widen = cache_check_sessions(graph)
     weights = folder_bytes(variant_dir, "model.onnx*")
     session = 2 * widen * weights  # one session of the cache check's graph
-    scoring = one.memory + extra * session + kv_kl_bytes(variant_dir, window)
-    proof = resources.RUNTIME_MEMORY + 2 * session
+    scoring = one.memory + extra * session + kl_bytes
+    proof = resources.RUNTIME_MEMORY + session
     scoring_sessions = f"{1 + extra} session{'s' if extra else ''}"
-    held = f"{scoring_sessions} held while scoring, 2 while proving its deployment"
+    held = f"{scoring_sessions} held while scoring, 1 while proving its deployment"
     return resources.Needs(max(scoring, proof), one.disk, f"{one.basis}, {held}")
 
 
