@@ -183,7 +183,6 @@ def cache_check_decoders(variant_dir: Path, scratch: Path) -> tuple:
     behaviour): one with the variant's cache (None: no MatMulNBits or per-token matmul to change,
     the variant itself), for a quantized cache one with a float cache (None for a float cache), and
     the folder of the first one's graph."""
-
     from ortforge.decoder import Decoder
     from ortforge.session import create_session
 
@@ -218,7 +217,7 @@ def measure(variant_dir: Path, reference: Reference, cfg: EvalConfig) -> dict:
             "float_compute": cached is not None,  # MatMulNBits at accuracy_level 0 on both sides
             "quantized_cache_against_float_cache": float_cache is not None,
         }
-        # The proof opens its own sessions (one at a time): the scoring ones go first, or a 1B
+        # The proof opens its own sessions (two at a time): the scoring ones go first, or a 1B
         # int8 variant held four at once.
         del decoder, cached, float_cache
         gc.collect()
@@ -375,11 +374,18 @@ def quantized_cache(graph) -> bool:
 def cache_check_sessions(graph) -> tuple[int, int]:
     """How many sessions besides the variant's own the cache checks open (cache_check_decoders):
     one with float compute where the graph (structure) has int8-activation matmuls, one over a
-    float cache where the cache is quantized; and how many times the variant's weight bytes each
-    holds (4 where float compute turns per-token int8 codes into float32). Changes the graph."""
+    float cache where the cache is quantized; and the float32 bytes of the largest matrix that
+    float compute widens during a run (per_token.float_compute; 0 when there is none). Changes
+    the graph."""
     widened = per_token.float_compute(graph) > 0
     sessions = int(widened or float_compute(graph) > 0) + int(quantized_cache(graph))
-    return sessions, 4 if widened else 1
+    return sessions, largest_widened_bytes(graph) if widened else 0
+
+
+def largest_widened_bytes(graph) -> int:
+    initializers = {t.name: t for t in graph.graph.initializer}
+    widened = [n.input[0] for n in graph.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in initializers]
+    return 4 * max((math.prod(initializers[name].dims) for name in widened), default=0)
 
 
 # What the quantized cache's KL check (windowed_kl) adds per logit of a window: both decoders'
@@ -400,21 +406,21 @@ def needs(a) -> resources.Needs:
     """What validate holds at once, in sessions (each loads the weights and prepacks its own copy,
     resources.runtime_needs), the larger of its two phases: scoring the texts (the variant's
     session and the cache checks', and for a quantized cache its KL check's windows) and, after
-    those are closed, the deployment proof (tasks/evaluation/deployment.py: one session of the
-    cache check's graph at a time)."""
+    those are closed, the deployment proof (tasks/evaluation/deployment.py: two sessions of the
+    cache check's graph)."""
     variant_dir, window = a.paths["variant-dir"], a.params.validation.eval.window
     one = resources.runtime_needs(variant_dir, window, "scoring windows")
     if not (variant_dir / MODEL_FILE).is_file():
         return one  # run() says which stage to run first
     graph = structure(variant_dir)
     kl_bytes = kv_kl_bytes(graph, window)  # before cache_check_sessions changes the graph
-    extra, widen = cache_check_sessions(graph)
+    extra, widened = cache_check_sessions(graph)
     weights = folder_bytes(variant_dir, "model.onnx*")
-    session = 2 * widen * weights  # one session of the cache check's graph
+    session = 2 * weights + widened  # one session of the cache check's graph
     scoring = one.memory + extra * session + kl_bytes
-    proof = resources.RUNTIME_MEMORY + session
+    proof = resources.RUNTIME_MEMORY + 2 * session
     scoring_sessions = f"{1 + extra} session{'s' if extra else ''}"
-    held = f"{scoring_sessions} held while scoring, 1 while proving its deployment"
+    held = f"{scoring_sessions} held while scoring, 2 while proving its deployment"
     return resources.Needs(max(scoring, proof), one.disk, f"{one.basis}, {held}")
 
 

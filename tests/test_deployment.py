@@ -7,7 +7,6 @@ run the reference's way: whole prompts, each sequence alone."""
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 import pytest
@@ -48,31 +47,6 @@ def test_validate_proves_pieces_rows_and_settings_of_a_float_graph(built, tmp_pa
     assert set(changes["pieces"]) == {"chunk 64", "chunk 32", "uneven 1/7/33"}
     assert max(changes["pieces"].values()) <= deployment.SAME_PROBABILITY
     assert len(record["session_settings"]) == len(changes["session_settings"]) >= 3
-
-
-def test_the_proof_holds_one_session_at_a_time(built, tmp_path):
-    """Each session the proof asks for is the only one alive when it loads: at 1B a w8a8 variant's
-    float-compute session holds about 10 GB, and two at once did not fit a 24 GB machine."""
-    import weakref
-
-    _, _, checked = validate.cache_check_decoders(built["int4"], tmp_path)
-    opened, alive_at_open = [], []
-
-    def session_of(threads: int, level: str):
-        alive_at_open.append(sum(ref() is not None for ref in opened))
-        session = validate_session(checked, threads, level)
-        opened.append(weakref.ref(session))
-        return session
-
-    deployment.prove(session_of, None, text_ids(built), {}, deployment.PREFILL_CHUNKS)
-    assert len(opened) == 1 + len(deployment.GRAPH_LEVELS) * os.cpu_count()
-    assert alive_at_open == [0] * len(opened)
-
-
-def validate_session(folder, threads: int, level: str):
-    from ortforge.session import SessionSettings
-
-    return create_session(folder, SessionSettings(intra_op_threads=threads, graph_level=level))
 
 
 def test_one_scale_per_run_proves_neither_pieces_nor_rows(built, run_scaled, tmp_path):

@@ -11,7 +11,7 @@ import pytest
 
 from ortforge import BatchDecoder, Decoder, create_session, names
 from ortforge.manifest import read_manifest, validation_stamp
-from tasks import quantize
+from tasks import quantize, validate
 from tasks.core.params import CalibrationConfig
 from tasks.evaluation.metrics import full_pass_logits
 from tasks.graphs import architecture, onnx_io
@@ -111,6 +111,38 @@ def test_a_prompt_in_pieces_gives_the_whole_prompts_logits(w8a8):
     whole, cut = last_logits(w8a8, ids, 0), last_logits(w8a8, ids, 7)
     np.testing.assert_allclose(cut, whole, atol=0.1)  # only float rounding moving a code's edge differs
     assert np.argmax(cut) == np.argmax(whole)
+
+
+def test_float_compute_keeps_the_codes_int8_in_the_session(w8a8, tmp_path):
+    """onnxruntime folds a Cast of a constant into a float32 copy: the session of a 1B w8a8's float
+    compute held ~10 GB. Its optimized graph keeps the codes in int8 and widens them per run."""
+    import onnxruntime as ort
+
+    graph = onnx.load(str(w8a8 / "model.onnx"), load_external_data=False)
+    count = per_token.float_compute(graph)
+    (tmp_path / "float").mkdir()
+    onnx_io.save_runnable(graph, w8a8, tmp_path / "float")
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.optimized_model_filepath = str(tmp_path / "float" / "optimized.onnx")
+    ort.InferenceSession(str(tmp_path / "float" / "model.onnx"), options, providers=["CPUExecutionProvider"])
+    optimized = onnx.load(str(tmp_path / "float" / "optimized.onnx"), load_external_data=False)
+    initializers = {t.name: t for t in optimized.graph.initializer}
+    widened = [node for node in optimized.graph.node if node.op_type == "DequantizeLinear"]
+    assert len(widened) == count
+    codes = [initializers[node.input[0]] for node in widened]
+    assert {t.data_type for t in codes} == {onnx.TensorProto.INT8}
+    shapes = {tuple(t.dims) for t in codes}
+    assert not [
+        t.name for t in initializers.values() if t.data_type == onnx.TensorProto.FLOAT and tuple(t.dims) in shapes
+    ]
+
+
+def test_validate_budgets_the_largest_matrix_float_compute_widens_per_run(w8a8):
+    graph = onnx.load(str(w8a8 / "model.onnx"), load_external_data=False)
+    codes = [t for t in graph.graph.initializer if t.data_type == onnx.TensorProto.INT8 and len(t.dims) == 2]
+    largest = 4 * max(int(np.prod(t.dims)) for t in codes)
+    assert validate.cache_check_sessions(validate.structure(w8a8)) == (1, largest)
 
 
 def test_float_compute_reads_the_same_codes_in_float(w8a8, tmp_path):

@@ -22,7 +22,6 @@ way (ortforge.decoder.Proven).
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 from dataclasses import dataclass, field
@@ -134,28 +133,11 @@ def _in_pieces(batch, prompt: list[int], sizes: list[int], steps: list[int]) -> 
 def prove(session_of, rope, ids: np.ndarray, config: dict, chunks: tuple[int, ...]) -> Proof:
     """session_of(threads, level): a session over the float-compute graph; rope: the model's
     length_dependent_rope; ids: the evaluation text's tokens; config: the model's config.json;
-    chunks: the prefill chunks tuning may choose. One session is held at a time: at the Llama 3.2
-    1B shape a w8a8 variant's float-compute session holds its weights as float32, prepacked, about
-    10 GB."""
-    from ortforge.decoder import Decoder
-
-    proof, short, short_steps, plain = _prove_runs(session_of(0, "all"), rope, ids, config, chunks)
-    gc.collect()  # the default session's runtime objects may sit in reference cycles
-    for threads in range(1, (os.cpu_count() or 1) + 1):
-        for level in GRAPH_LEVELS:
-            other = _alone(Decoder(session_of(threads, level), rope=rope), short, short_steps)
-            proof.settings[setting_label(threads, level)] = max(map(probability_gap, other, plain))
-            gc.collect()  # this setting's session goes before the next one loads
-    return proof
-
-
-def _prove_runs(session, rope, ids: np.ndarray, config: dict, chunks: tuple[int, ...]) -> tuple:
-    """Pieces and batched rows on the default session; the proof so far, and the short prompt,
-    its steps and their logits that each session setting is compared with (a setting's arithmetic
-    does not depend on where the sequence stands: a short one shows it)."""
+    chunks: the prefill chunks tuning may choose."""
     from ortforge.batch import BatchDecoder
     from ortforge.decoder import Decoder
 
+    session = session_of(0, "all")
     context = Decoder(session).context_length or len(ids)
     found = {name: value for name, value in boundaries(config).items() if value < context}  # past it: nothing runs
     furthest = max(found.values(), default=0)
@@ -166,8 +148,8 @@ def _prove_runs(session, rope, ids: np.ndarray, config: dict, chunks: tuple[int,
         log.warning("the evaluation text (%d tokens) is too short to pass %s", length, proof.beyond_text)
     prompt, steps = ids[:length].tolist(), ids[length : length + STEPS].tolist()
 
-    def decoder_of(chunk: int) -> Decoder:
-        return Decoder(session, prefill_chunk=chunk, rope=rope)
+    def decoder_of(chunk: int, on=session) -> Decoder:
+        return Decoder(on, prefill_chunk=chunk, rope=rope)
 
     whole = _alone(decoder_of(0), prompt, steps)
     for chunk in chunks:
@@ -180,8 +162,14 @@ def _prove_runs(session, rope, ids: np.ndarray, config: dict, chunks: tuple[int,
         uneven = _in_pieces(batch, prompt, list(UNEVEN_PIECES), steps)
         proof.pieces["uneven " + "/".join(map(str, UNEVEN_PIECES))] = max(map(probability_gap, uneven, whole))
         proof.rows = _batched_rows_gap(batch, decoder_of, ids, length, found)
+    # A setting's arithmetic does not depend on where the sequence stands: a short one shows it.
     short, short_steps = prompt[:SETTINGS_PROMPT], steps[:2]
-    return proof, short, short_steps, _alone(decoder_of(0), short, short_steps)
+    plain = _alone(decoder_of(0), short, short_steps)
+    for threads in range(1, (os.cpu_count() or 1) + 1):
+        for level in GRAPH_LEVELS:
+            other = _alone(decoder_of(0, session_of(threads, level)), short, short_steps)
+            proof.settings[setting_label(threads, level)] = max(map(probability_gap, other, plain))
+    return proof
 
 
 def _batched_rows_gap(batch, decoder_of, ids: np.ndarray, length: int, found: dict[str, int]) -> float:

@@ -200,21 +200,32 @@ def float_compute(model) -> int:
     int8 weights: x . codes times the column scales, with no activation codes. Validate's cache
     check runs this: the codes of one token run alone and in a many-token run differ where float
     rounding moves a value across a code's edge, which would hide the cache's own behaviour.
-    Returns how many matmuls changed."""
+    Returns how many matmuls changed.
+
+    The codes become float through DequantizeLinear (scale 1, zero point 0: exactly a Cast), not a
+    Cast: onnxruntime folds a Cast of a constant into a float32 copy of the weights when the
+    session loads (x4 their bytes, then prepacked: about 10 GB at the Llama 3.2 1B shape), and keeps
+    DequantizeLinear for the run, so the session holds the int8 codes and one matrix in float32 at
+    a time."""
     from onnx import TensorProto, helper
 
     from tasks.graphs.weights import GraphIndex
 
     index = GraphIndex(model)
     one = "/per_token/float_compute/one"
+    zeros: dict[int, str] = {}  # code type -> its zero point
     changed = 0
     for node in [n for n in model.graph.node if n.op_type == MATMUL and n.input[0].endswith(CODES)]:
         (row_scale,) = index.consumers[node.output[0]]
         x, weight, column_scale = node.input[0][: -len(CODES)], node.input[1], node.input[3]
+        code_type = index.initializers[weight].data_type
+        zero = zeros.setdefault(code_type, f"{one}/zero_point/{TensorProto.DataType.Name(code_type).lower()}")
         model.graph.node.remove(node)
         model.graph.node.extend(
             [
-                helper.make_node("Cast", [weight], [weight + "/float"], name=weight + "/Cast", to=TensorProto.FLOAT),
+                helper.make_node(
+                    "DequantizeLinear", [weight, one, zero], [weight + "/float"], name=weight + "/DequantizeLinear"
+                ),
                 helper.make_node(
                     "MatMul", [x, weight + "/float"], [node.output[0] + "/float"], name=node.name + "/float"
                 ),
@@ -227,6 +238,7 @@ def float_compute(model) -> int:
         changed += 1
     if changed:
         model.graph.initializer.append(helper.make_tensor(one, TensorProto.FLOAT, [], [1.0]))
+        model.graph.initializer.extend(helper.make_tensor(name, kind, [], [0]) for kind, name in zeros.items())
         from onnxruntime.transformers.onnx_model import OnnxModel
 
         prune(model)  # the activation codes nothing reads now
