@@ -1,14 +1,15 @@
 """What building costs at the sizes people run: random-weight models of real configs
 (benchmarks/random_models.py: Qwen2.5 0.5B, Llama 3.2 1B and 3B, Llama 3.1 8B) built by ortforge
-as a user would (a `kind: local` source, int4 and int8, `ortforge build`), each stage's wall time,
+as a user would (a `kind: local` source, int4, int8 and w8a8, `ortforge build`), each stage's wall time,
 peak memory and preflight estimate recorded by the stage itself (ORTFORGE_STAGE_COSTS), and the
 disk that the workspace and DVC's cache take against the artifacts plus the checkpoint. Beside
 them, on the same checkpoint: onnxruntime-genai's builder to int4, and OpenVINO's optimum-cli to
 int4 (group 32) and int8 where its venv exists (benchmarks/peers/setup_openvino.sh).
 
-At the 1B class it also runs the built int4 beside onnxruntime-genai's int4 and OpenVINO GenAI's
-int4 (CPU defaults): batch-1 decode and first token, and 8 concurrent streams, interleaved over
-rounds, each engine in its own fresh process, the same prompts for all.
+At the 1B class it also runs the built int4 and w8a8 (the serving variant) beside onnxruntime-genai's
+int4 and OpenVINO GenAI's int4 and int8 (CPU defaults): batch-1 decode and first token, and 8
+concurrent streams, interleaved over rounds, each engine in its own fresh process, the same prompts
+for all.
 
 Random weights give near-flat logits, so quality gates mean nothing here: scale builds carry
 their own limits (SCALE_LIMITS: measured, not gated), named so in the results; the shared gates
@@ -49,7 +50,10 @@ from tasks.core.files import atomic_write_json  # noqa: E402
 RESULTS = REPO / "benchmarks" / "results"
 PROJECT_FILES = ("tasks", "ortforge", "flows", "data", "dvc.yaml", "versions.yaml", ".dvcignore", "prefect.toml")
 TOKENIZER = REPO / "artifacts" / "smollm2-135m" / "hf"
-VARIANTS = ("int4", "int8")
+VARIANTS = ("int4", "int8", "w8a8")
+# What runs beside the peers at --runtime-at: ortforge's int4 and its serving variant (w8a8), at
+# batch 1 and under STREAMS concurrent streams.
+RUNTIME_VARIANTS = ("int4", "w8a8")
 # Random weights: every limit is one the variant cannot miss. The table says so.
 SCALE_LIMITS = {
     "ppl_ratio": 1000.0,
@@ -111,7 +115,7 @@ def model_name(config: str) -> str:
 
 
 def scale_params(name: str, source: Path) -> dict:
-    """The repository's params with this model alone, its int4 and int8 builds under SCALE_LIMITS,
+    """The repository's params with this model alone, its VARIANTS' builds under SCALE_LIMITS,
     and the serving workload at 1 and 8 streams; PyTorch's float32 baseline is off (at 3B it would
     need 16 GB)."""
     params = yaml.safe_load((REPO / "params.yaml").read_text(encoding="utf-8"))
@@ -231,37 +235,37 @@ def openvino_run(python: Path, model: Path, command: str, data, scratch: Path) -
     return openvino_peer.run(python, model, command, data, scratch, options)
 
 
-def runtime(folder: Path, name: str, genai_dir: Path, openvino: tuple[Path, Path] | None, rounds: int) -> dict:
-    """Batch-1 and 8-stream figures of ortforge int4, genai int4 and OpenVINO GenAI int4, interleaved."""
+def runtime(folder: Path, name: str, genai_dir: Path, openvino: dict[str, Path], rounds: int) -> dict:
+    """Batch-1 and 8-stream figures of ortforge's RUNTIME_VARIANTS and OpenVINO GenAI's int4 and int8
+    (CPU defaults; openvino: weight format -> its export, with "python" its venv), batch-1 of
+    onnxruntime-genai's int4; interleaved over rounds, each engine in its own fresh process."""
     from tasks.measurement import concurrency
     from tasks.measurement.timing import in_fresh_process
 
-    variant = folder / "artifacts" / name / "variants" / "int4"
-    prompt, streams = prompts(variant)
+    variants = folder / "artifacts" / name / "variants"
+    prompt, streams = prompts(variants / "int4")
     scratch = folder / "runtime"
     scratch.mkdir(exist_ok=True)
-    results: dict[str, dict] = {
-        "ortforge int4": {"batch1": [], "streams": []},
-        "onnxruntime-genai int4": {"batch1": []},
-    }
-    if openvino is not None:
-        results["OpenVINO GenAI int4 (CPU defaults)"] = {"batch1": [], "streams": []}
-    session = json.loads((variant.parent / "int4.runtime.json").read_text(encoding="utf-8"))["session"]
+    ours = {f"ortforge {v}": variants / v for v in RUNTIME_VARIANTS}
+    peers = {f"OpenVINO GenAI {f} (CPU defaults)": model for f, model in openvino.items() if f != "python"}
+    results: dict[str, dict] = {engine: {"batch1": [], "streams": []} for engine in [*ours, *peers]}
+    results["onnxruntime-genai int4"] = {"batch1": []}
     for round_index in range(rounds):
         print(f"{name}: runtime round {round_index + 1}/{rounds}", flush=True)
-        for engine, spec in (
-            ("ortforge int4", {"kind": "ort", "path": str(variant), "tuned": True}),
-            ("onnxruntime-genai int4", {"kind": "genai", "path": str(genai_dir)}),
-        ):
+        for engine, variant in ours.items():
+            spec = {"kind": "ort", "path": str(variant), "tuned": True}
+            session = json.loads((variant.parent / f"{variant.name}.runtime.json").read_text(encoding="utf-8"))
             results[engine]["batch1"].append(in_fresh_process(engines.measure, spec, prompt, NEW_TOKENS, 1, 3))
-        results["ortforge int4"]["streams"].append(
-            in_fresh_process(concurrency.measure_load, str(variant), streams, NEW_TOKENS, session, 0)
+            results[engine]["streams"].append(
+                in_fresh_process(concurrency.measure_load, str(variant), streams, NEW_TOKENS, session["session"], 0)
+            )
+        genai = {"kind": "genai", "path": str(genai_dir)}
+        results["onnxruntime-genai int4"]["batch1"].append(
+            in_fresh_process(engines.measure, genai, prompt, NEW_TOKENS, 1, 3)
         )
-        if openvino is not None:
-            python, model = openvino
-            ov = results["OpenVINO GenAI int4 (CPU defaults)"]
-            ov["batch1"].append(openvino_run(python, model, "generate", prompt, scratch))
-            ov["streams"].append(openvino_run(python, model, "load", streams, scratch))
+        for engine, model in peers.items():
+            results[engine]["batch1"].append(openvino_run(openvino["python"], model, "generate", prompt, scratch))
+            results[engine]["streams"].append(openvino_run(openvino["python"], model, "load", streams, scratch))
     return results
 
 
@@ -565,8 +569,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: {peer}", flush=True)
             entry["peers"][peer] = peer_figures(peer, run_peer, source)
         if name == args.runtime_at and not export_only:
-            ov_model = (openvino, args.workdir / "peers" / name / "openvino-int4") if openvino else None
-            entry["runtime"] = runtime(folder, model_name(name), genai_dir, ov_model, args.rounds)
+            ov_models = {"python": openvino} if openvino else {}
+            for weight_format in ("int4", "int8") if openvino else ():
+                if "seconds" in entry["peers"][f"openvino {weight_format}"]:  # exported
+                    ov_models[weight_format] = args.workdir / "peers" / name / f"openvino-{weight_format}"
+            entry["runtime"] = runtime(folder, model_name(name), genai_dir, ov_models, args.rounds)
         report["models"][name] = entry
         atomic_write_json(RESULTS / "scale.json", report)  # what is measured so far survives a later failure
         if not args.keep:  # an 8B project and its peers' outputs are about 50 GB
