@@ -11,6 +11,7 @@ Each engine runs in its own fresh process (so peak RSS is its own), rounds inter
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from tasks.measurement import concurrency, timing
 from tasks.measurement.timing import ORT, TORCH, in_fresh_process, measure_engine
 
 log = logging.getLogger(__name__)
+TUNED = "tasks.measurement.tuning"  # runtime.json's measured_by when tuning chose its settings
 
 
 def summarize(runs: list[dict], prompt_tokens: int, size_bytes: int) -> dict:
@@ -104,13 +106,26 @@ def under_load(cfg: BenchConfig, variant_dir: Path, prompts: dict[int, list], se
 
 def runtime_settings(result: dict, cfg: BenchConfig) -> dict:
     if result["tuning"]:
-        session, source = result["tuning"]["session"], "tasks.measurement.tuning"
+        session, source = result["tuning"]["session"], TUNED
     else:
         session, source = SessionSettings(intra_op_threads=cfg.threads).to_dict(), "bench.tune false: not measured"
     return {"session": session, "measured_by": source, "machine": result["machine"]}
 
 
-def run(cfg: BenchConfig, variant_dir: Path, hf_dir: Path) -> dict:
+def chosen_before(runtime: Path) -> dict | None:
+    """The settings tuning chose for this artifact on a machine like this one (the same CPU model
+    and features), where this sweep starts; None when there are none, or they came from elsewhere."""
+    try:
+        recorded = json.loads(runtime.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if recorded.get("measured_by") != TUNED or recorded.get("machine") != machine.describe():
+        return None
+    return recorded.get("session")
+
+
+def run(cfg: BenchConfig, variant_dir: Path, hf_dir: Path, before: dict | None = None) -> dict:
+    """before: the settings chosen on this machine before (chosen_before), where tuning starts."""
     try:
         check_validated(variant_dir)
     except ValueError as error:
@@ -123,7 +138,7 @@ def run(cfg: BenchConfig, variant_dir: Path, hf_dir: Path) -> dict:
         from tasks.measurement.tuning import sweep
 
         log.info("choosing session settings for %s by measurement", variant_dir)
-        tuning = in_fresh_process(sweep, str(variant_dir), prompt, cfg.new_tokens)
+        tuning = in_fresh_process(sweep, str(variant_dir), prompt, cfg.new_tokens, 2, before)
         log.info("best settings %s", tuning["session"])
     engines = {ORT: variant_dir, **({TORCH: hf_dir} if cfg.baseline else {})}
     runs: dict[str, list[dict]] = {engine: [] for engine in engines}
@@ -177,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def body(a):
         p = a.paths
-        result = run(a.params.bench, p["variant-dir"], p["hf"])
+        result = run(a.params.bench, p["variant-dir"], p["hf"], chosen_before(p["runtime"]))
         # The runtime reads these settings by default (SessionSettings.for_artifact) on a machine
         # with the same CPU features; without tuning they are the ones bench measured with.
         atomic_write_json(p["runtime"], runtime_settings(result, a.params.bench))

@@ -53,8 +53,8 @@ def test_run_reports_variant_and_baseline_metrics(built, params, validated):
     assert result["workload"]["new_tokens"] == params.bench.new_tokens
     tuning = result["tuning"]
     assert len(tuning["trials"]) >= 8  # threads, inter-op, graph levels, memory pattern, arena, chunks
-    assert tuning["workload_seconds"] == min(trial["seconds"] for trial in tuning["trials"])
-    assert tuning["session"] in [trial["settings"] for trial in tuning["trials"]]
+    chosen = next(trial for trial in tuning["trials"] if trial["settings"] == tuning["session"])
+    assert tuning["workload_seconds"] == chosen["seconds"]  # a faster trial may not be clearly faster
     assert result["kv_bytes_per_token"] > 0
 
 
