@@ -12,10 +12,10 @@ joins, and a job that could never fit is refused at submit (TooLarge). A job wai
 while the running ones hold the room it needs (first come, first served: nothing overtakes it).
 
 No head-of-line blocking: while rows are decoding, the prompts being prefilled get, between two
-steps, pieces whose measured time is at most `prefill_share` times a step's (so a running stream's
-inter-token time stays within 1 + prefill_share times its unloaded value), times the number of
-prompts waiting per decoding row where more wait than decode (the batch fills sooner), the prompt
-with the fewest tokens left first (a short request arriving behind a long prompt starts within a
+steps, pieces whose measured time is at most `prefill_share` times a step's (so a running stream
+waits at most 1 + prefill_share steps for a token while prompts wait), times the number of prompts
+waiting per decoding row where more wait than decode (the batch fills sooner), the prompt with
+the fewest tokens left first (a short request arriving behind a long prompt starts within a
 piece's time). Pieces change where a prompt is cut, not what is computed; a variant validate did
 not prove pieces for (one activation scale per run), and a model whose rotary frequencies depend
 on a run's length past its limit (LongRoPE), prefill whole prompts instead.
@@ -41,7 +41,13 @@ from ortforge.batch import DEFAULT_ROW_TOKENS, BatchDecoder, PrefixCache
 from ortforge.sampling import Sampler, Sampling
 
 STOPPED, LENGTH, CANCELLED = "stop", "length", "cancelled"
-PREFILL_SHARE = 1.5  # prefill time between two decode steps, in decode steps (p95 stays under 3x)
+# Prefill time between two decode steps, in decode steps. Waiting prompts go in few large pieces
+# rather than many small ones: the batch fills sooner, and fewer of the running streams' gaps hold
+# a piece. Chosen with benchmarks/scheduler_replay.py; on the real model (SmolLM2, 8 streams,
+# the workload of benchmarks/load_peers.py, 2 rounds), 1.5 -> 8 gave w8a8 x1.18-1.25 tokens/s,
+# first-token p95 x0.55 and inter-token p95 x0.5; int4 x1.19 tokens/s and first tokens x0.6, but
+# its inter-token p95 x2.4 (its prefill is slow, so a piece is long).
+PREFILL_SHARE = 8.0
 PIECE_TOKENS = 256  # a prompt's piece when the artifact's measured prefill_chunk is 0 (whole)
 MIN_SLOT_TOKENS = 256  # the budget must give every slot at least this much room
 DEFAULT_MEMORY_SHARE = 0.25  # of the machine's memory, the most the default budget takes
@@ -325,9 +331,9 @@ class Scheduler:
         """Prompt tokens to prefill before the next decode step: one piece while no row decodes,
         else what fits in prefill_share steps' time at the measured prefill speed, times the
         prompts waiting per decoding row where more wait than decode: filling the batch is
-        worth more than a few rows' next tokens (8 streams of SmolLM2 w8a8 here: x1.10 tokens/s
-        and first tokens' p95 x0.7, the inter-token p95 unchanged), and the rows already
-        decoding pay, together, the same share for each prompt that joins them."""
+        worth more than a few rows' next tokens (8 streams of SmolLM2 w8a8 here, when the share
+        was 1.5: x1.10 tokens/s and first tokens' p95 x0.7, the inter-token p95 unchanged), and
+        the rows already decoding pay, together, the same share for each prompt that joins them."""
         decoding = sum(job.decoding for job in self.active.values())
         if not decoding:
             return self.piece
