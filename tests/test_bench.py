@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from tasks import bench
@@ -53,8 +54,8 @@ def test_run_reports_variant_and_baseline_metrics(built, params, validated):
     assert result["workload"]["new_tokens"] == params.bench.new_tokens
     tuning = result["tuning"]
     assert len(tuning["trials"]) >= 8  # threads, inter-op, graph levels, memory pattern, arena, chunks
-    chosen = next(trial for trial in tuning["trials"] if trial["settings"] == tuning["session"])
-    assert tuning["workload_seconds"] == chosen["seconds"]  # a faster trial may not be clearly faster
+    chosen = [run for trial in tuning["trials"] if trial["settings"] == tuning["session"] for run in trial["runs"]]
+    assert tuning["workload_seconds"] == np.median(chosen)  # every run of it; a faster trial may not be clearly faster
     assert result["kv_bytes_per_token"] > 0
 
 

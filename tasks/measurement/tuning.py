@@ -11,7 +11,8 @@ runs, each trial with its own session and a warm-up. A prefill chunk, like every
 faster; an application that needs to bound activation memory on long prompts can set one itself.
 
 A setting changes only when it is clearly faster (clearly_faster): each of its runs beats each of
-the current best's, and its median by at least MIN_GAIN. Taking any faster median chose within
+the current best's, and its median by at least MIN_GAIN, in its first trial and again when both
+are measured once more. Taking any faster median chose within
 noise: 15 of the 20 committed choices beat the defaults by under 3%, and one re-run of every
 variant's bench changed 15 of them.
 The sweep starts from the settings this machine chose before (bench passes the artifact's
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from pathlib import Path
 
 import numpy as np
@@ -89,23 +89,27 @@ def sweep(model_dir: str, prompt: list[int], new_tokens: int, repeats: int = 2, 
     cores = os.cpu_count() or 1
     allowed = proven(Path(model_dir))
     best = start(incumbent, cores, allowed)
-    best_runs = workload_runs(Path(model_dir), best, prompt, new_tokens, repeats)
-    trials = [trial(best, best_runs)]
+    trials = []
+
+    def measure(settings: dict, confirming: bool = False) -> list[float]:
+        runs = workload_runs(Path(model_dir), settings, prompt, new_tokens, repeats)
+        trials.append(trial(settings, runs) | ({"confirming": True} if confirming else {}))
+        log.debug("%s: %s ms", settings, [round(r * 1e3, 1) for r in runs])
+        return runs
+
+    best_runs = measure(best)
     for name, values in dimensions(cores).items():
         for value in values:
             candidate = best | {name: value}
             if value == best[name] or not allowed(candidate):
                 continue
-            started = time.perf_counter()
-            runs = workload_runs(Path(model_dir), candidate, prompt, new_tokens, repeats)
-            trials.append(trial(candidate, runs))
-            log.debug(
-                "%s=%s: %s ms (trial took %.1f s)",
-                name,
-                value,
-                [round(r * 1e3, 1) for r in runs],
-                time.perf_counter() - started,
-            )
+            runs = measure(candidate)
+            if not clearly_faster(runs, best_runs):
+                continue
+            # One trial's verdict can be luck: here a sweep's first trial ran 3-5% slower than the
+            # same settings later. Both are measured again, and the candidate must win on all runs.
+            best_runs = best_runs + measure(best, confirming=True)
+            runs = runs + measure(candidate, confirming=True)
             if clearly_faster(runs, best_runs):
                 best, best_runs = candidate, runs
     return {
