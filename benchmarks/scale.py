@@ -54,6 +54,7 @@ VARIANTS = ("int4", "int8", "w8a8")
 # What runs beside the peers at --runtime-at: ortforge's int4 and its serving variant (w8a8), at
 # batch 1 and under STREAMS concurrent streams.
 RUNTIME_VARIANTS = ("int4", "w8a8")
+OPENVINO_FORMATS = ("int4", "int8")  # OpenVINO's exports of the same checkpoint (optimum-cli weight formats)
 # Random weights: every limit is one the variant cannot miss. The table says so.
 SCALE_LIMITS = {
     "ppl_ratio": 1000.0,
@@ -235,10 +236,13 @@ def openvino_run(python: Path, model: Path, command: str, data, scratch: Path) -
     return openvino_peer.run(python, model, command, data, scratch, options)
 
 
-def runtime(folder: Path, name: str, genai_dir: Path, openvino: dict[str, Path], rounds: int) -> dict:
-    """Batch-1 and 8-stream figures of ortforge's RUNTIME_VARIANTS and OpenVINO GenAI's int4 and int8
-    (CPU defaults; openvino: weight format -> its export, with "python" its venv), batch-1 of
-    onnxruntime-genai's int4; interleaved over rounds, each engine in its own fresh process."""
+def runtime(
+    folder: Path, name: str, genai_dir: Path, openvino: Path | None, ov_models: dict[str, Path], rounds: int
+) -> dict:
+    """Batch-1 and 8-stream figures of ortforge's RUNTIME_VARIANTS and OpenVINO GenAI's exports
+    (CPU defaults; ov_models: weight format -> its export, run by the venv's python `openvino`),
+    batch-1 of onnxruntime-genai's int4; interleaved over rounds, each engine in its own fresh
+    process."""
     from tasks.measurement import concurrency
     from tasks.measurement.timing import in_fresh_process
 
@@ -247,7 +251,7 @@ def runtime(folder: Path, name: str, genai_dir: Path, openvino: dict[str, Path],
     scratch = folder / "runtime"
     scratch.mkdir(exist_ok=True)
     ours = {f"ortforge {v}": variants / v for v in RUNTIME_VARIANTS}
-    peers = {f"OpenVINO GenAI {f} (CPU defaults)": model for f, model in openvino.items() if f != "python"}
+    peers = {f"OpenVINO GenAI {f} (CPU defaults)": model for f, model in ov_models.items()}
     results: dict[str, dict] = {engine: {"batch1": [], "streams": []} for engine in [*ours, *peers]}
     results["onnxruntime-genai int4"] = {"batch1": []}
     for round_index in range(rounds):
@@ -264,8 +268,8 @@ def runtime(folder: Path, name: str, genai_dir: Path, openvino: dict[str, Path],
             in_fresh_process(engines.measure, genai, prompt, NEW_TOKENS, 1, 3)
         )
         for engine, model in peers.items():
-            results[engine]["batch1"].append(openvino_run(openvino["python"], model, "generate", prompt, scratch))
-            results[engine]["streams"].append(openvino_run(openvino["python"], model, "load", streams, scratch))
+            results[engine]["batch1"].append(openvino_run(openvino, model, "generate", prompt, scratch))
+            results[engine]["streams"].append(openvino_run(openvino, model, "load", streams, scratch))
     return results
 
 
@@ -560,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
         genai_dir = args.workdir / "peers" / name / "genai-int4"
         peers = {"genai int4": functools.partial(genai_build, source, genai_dir)}
         if openvino is not None:
-            for weight_format in ("int4", "int8"):
+            for weight_format in OPENVINO_FORMATS:
                 out = args.workdir / "peers" / name / f"openvino-{weight_format}"
                 peers[f"openvino {weight_format}"] = functools.partial(
                     openvino_build, openvino, source, out, weight_format
@@ -569,11 +573,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: {peer}", flush=True)
             entry["peers"][peer] = peer_figures(peer, run_peer, source)
         if name == args.runtime_at and not export_only:
-            ov_models = {"python": openvino} if openvino else {}
-            for weight_format in ("int4", "int8") if openvino else ():
-                if "seconds" in entry["peers"][f"openvino {weight_format}"]:  # exported
-                    ov_models[weight_format] = args.workdir / "peers" / name / f"openvino-{weight_format}"
-            entry["runtime"] = runtime(folder, model_name(name), genai_dir, ov_models, args.rounds)
+            ov_models = {
+                weight_format: args.workdir / "peers" / name / f"openvino-{weight_format}"
+                for weight_format in (OPENVINO_FORMATS if openvino else ())
+                if "seconds" in entry["peers"][f"openvino {weight_format}"]  # exported
+            }
+            entry["runtime"] = runtime(folder, model_name(name), genai_dir, openvino, ov_models, args.rounds)
         report["models"][name] = entry
         atomic_write_json(RESULTS / "scale.json", report)  # what is measured so far survives a later failure
         if not args.keep:  # an 8B project and its peers' outputs are about 50 GB
