@@ -1,19 +1,21 @@
 """Replay load_peers' workload through ortforge's own Scheduler over a stand-in batch decoder whose
 runs take the times measured for each variant, to compare prefill shares without the model:
 
-    python benchmarks/scheduler_replay.py --shares 1.5 4 8 16
+    python benchmarks/scheduler_replay.py --shares 1.5 4 8 16 --finish-shares 0 8
 
 A step over r rows sleeps as long as step_profile.json's batched step took at 1, 4 and 8 rows
 (interpolated); a prefill piece of t tokens as a 1-row step plus t/128 of what a 128-token prompt's
 first token took beyond it (load_peers.json). The scheduler, the streams and the figures are the
 real code (ortforge/scheduler.py, tasks/measurement/concurrency.py); only the model is replaced,
 and sleeping leaves the cores free, so it runs beside other work. It prints a table; what a share
-does on the real model is load_peers.py's to measure (this is how PREFILL_SHARE was chosen).
+does on the real model is load_peers.py's to measure (this is how PREFILL_SHARE and FINISH_SHARE
+were chosen).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -25,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from ortforge import scheduler  # noqa: E402
-from tasks.measurement.concurrency import _request, request_figures, run_streams  # noqa: E402
+from tasks.measurement.concurrency import request, request_figures, run_streams  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 VOCAB = 8  # the stand-in's logits: greedy picks the last id, never a stop id
@@ -103,16 +105,18 @@ class StandInGenerator:
         rows = True
 
 
-def replay(streams: int, requests: int, prompt_tokens: int, new_tokens: int, share: float) -> dict:
+def replay(streams: int, requests: int, prompt_tokens: int, new_tokens: int, share: float, finish: float) -> dict:
     replaced, scheduler.BatchDecoder = scheduler.BatchDecoder, StandInBatch
     try:
-        loop = scheduler.Scheduler(StandInGenerator(), slots=streams, queue_size=streams, prefill_share=share).start()
+        loop = scheduler.Scheduler(
+            StandInGenerator(), slots=streams, queue_size=streams, prefill_share=share, finish_share=finish
+        ).start()
     finally:
         scheduler.BatchDecoder = replaced
     prompts = [[[1] * prompt_tokens for _ in range(requests)] for _ in range(streams)]
     try:
-        _request(loop, [1] * prompt_tokens, 4)  # the first step's and prefill's times are measured
-        done, wall = run_streams(prompts, lambda prompt: _request(loop, prompt, new_tokens))
+        request(loop, [1] * prompt_tokens, 4)  # the first step's and prefill's times are measured
+        done, wall = run_streams(prompts, lambda prompt: request(loop, prompt, new_tokens))
     finally:
         loop.stop()
     return request_figures(done, wall)
@@ -120,24 +124,25 @@ def replay(streams: int, requests: int, prompt_tokens: int, new_tokens: int, sha
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shares", type=float, nargs="+", default=[1.5, 4, 8, 16])
+    parser.add_argument("--shares", type=float, nargs="+", default=[scheduler.PREFILL_SHARE, 4, 8, 16])
+    parser.add_argument("--finish-shares", type=float, nargs="+", default=[0, scheduler.FINISH_SHARE])
     parser.add_argument("--variants", nargs="+", default=["int4", "int8", "w8a8"])
     args = parser.parse_args(argv)
     workload = json.loads((RESULTS / "load_peers.json").read_text(encoding="utf-8"))
     shape = workload["requests_per_stream"], workload["prompt_tokens"], workload["new_tokens"]
     most = max(int(s) for s in workload["streams"])
     columns = f"{most} streams tok/s | x 1 stream | first token ms p50 / p95 | inter-token ms p50 / p95"
-    print(f"| variant | prefill share | {columns} |")
-    print("|---|---|---|---|---|---|")
+    print(f"| variant | prefill share | finish share | {columns} |")
+    print("|---|---|---|---|---|---|---|")
     for variant in args.variants:
         StandInBatch.timings = measured(variant)
-        alone = replay(1, *shape, args.shares[0])["aggregate_tokens_per_second"]
-        for share in args.shares:
-            f = replay(most, *shape, share)
+        alone = replay(1, *shape, args.shares[0], args.finish_shares[0])["aggregate_tokens_per_second"]
+        for share, finish in itertools.product(args.shares, args.finish_shares):
+            f = replay(most, *shape, share, finish)
             speed, first = f["aggregate_tokens_per_second"], f"{f['seconds_to_first_token_p50'] * 1e3:.0f}"
             first += f" / {f['seconds_to_first_token_p95'] * 1e3:.0f}"
             gaps = f"{f['inter_token_ms_p50']:.1f} / {f['inter_token_ms_p95']:.1f}"
-            print(f"| {variant} | {share:g} | {speed:.1f} | {speed / alone:.2f} | {first} | {gaps} |", flush=True)
+            print(f"| {variant} | {share:g} | {finish:g} | {speed:.1f} | {speed / alone:.2f} | {first} | {gaps} |", flush=True)
     return 0
 
 

@@ -11,14 +11,16 @@ Memory is a budget (`KVBudget`): a job reserves room for its prompt and its max_
 joins, and a job that could never fit is refused at submit (TooLarge). A job waits in the queue
 while the running ones hold the room it needs (first come, first served: nothing overtakes it).
 
-No head-of-line blocking: while rows are decoding, the prompts being prefilled get, between two
-steps, pieces whose measured time is at most `prefill_share` times a step's (so a running stream
-waits at most 1 + prefill_share steps for a token while prompts wait), times the number of prompts
-waiting per decoding row where more wait than decode (the batch fills sooner), the prompt with
-the fewest tokens left first (a short request arriving behind a long prompt starts within a
-piece's time). Pieces change where a prompt is cut, not what is computed; a variant validate did
-not prove pieces for (one activation scale per run), and a model whose rotary frequencies depend
-on a run's length past its limit (LongRoPE), prefill whole prompts instead.
+No head-of-line blocking: while rows are decoding, the prompts being prefilled get time between
+two steps. Waiting prompts whose rest fits in `finish_share` steps' time go whole, fewest tokens
+left first: one longer gap instead of several short ones, so the batch fills sooner and fewer of
+the running streams' gaps hold a piece. A longer prompt gets pieces whose measured time is at most
+`prefill_share` times a step's, so a running stream waits at most 1 + prefill_share steps for a
+token while it is prefilled. Both are times the number of prompts waiting per decoding row where
+more wait than decode (the batch fills sooner), and a short request arriving behind a long prompt
+starts within a piece's time. Pieces change where a prompt is cut, not what is computed; a variant
+validate did not prove pieces for (one activation scale per run), and a model whose rotary
+frequencies depend on a run's length past its limit (LongRoPE), prefill whole prompts instead.
 
 Nothing a job does can stop the loop: an exception while picking its token or calling its
 callbacks ends that job alone (its on_end gets "error: ..."), one from a batched run ends the jobs
@@ -41,13 +43,17 @@ from ortforge.batch import DEFAULT_ROW_TOKENS, BatchDecoder, PrefixCache
 from ortforge.sampling import Sampler, Sampling
 
 STOPPED, LENGTH, CANCELLED = "stop", "length", "cancelled"
-# Prefill time between two decode steps, in decode steps. Waiting prompts go in few large pieces
-# rather than many small ones: the batch fills sooner, and fewer of the running streams' gaps hold
-# a piece. Chosen with benchmarks/scheduler_replay.py; on the real model (SmolLM2, 8 streams,
-# the workload of benchmarks/load_peers.py, 2 rounds), 1.5 -> 8 gave w8a8 x1.18-1.25 tokens/s,
-# first-token p95 x0.55 and inter-token p95 x0.5; int4 x1.19 tokens/s and first tokens x0.6, but
-# its inter-token p95 x2.4 (its prefill is slow, so a piece is long).
-PREFILL_SHARE = 8.0
+# Prefill time between two decode steps, in decode steps, for a prompt too long to finish in one
+# gap: a running stream waits at most 1 + PREFILL_SHARE steps per token while it is prefilled
+# (benchmarks/server_soak.py: a stream beside a 4,000-token prompt; 8 here put its inter-token p95
+# at x7.0 its alone).
+PREFILL_SHARE = 1.5
+# A waiting prompt whose rest takes at most this many steps' time goes whole into one gap: one long
+# gap instead of several short ones, so the batch fills sooner and fewer of the running streams'
+# gaps hold a piece (benchmarks/scheduler_replay.py, 8 streams of SmolLM2 w8a8: pieces of 1.5
+# steps alone gave 223 tokens/s and first tokens at p95 949 ms; finishing within 8 steps, 296
+# and 557 ms).
+FINISH_SHARE = 8.0
 PIECE_TOKENS = 256  # a prompt's piece when the artifact's measured prefill_chunk is 0 (whole)
 MIN_SLOT_TOKENS = 256  # the budget must give every slot at least this much room
 DEFAULT_MEMORY_SHARE = 0.25  # of the machine's memory, the most the default budget takes
@@ -163,16 +169,20 @@ class Scheduler:
         prefix_cache_mb: float = 0,
         kv_cache_mb: float | None = None,
         prefill_share: float = PREFILL_SHARE,
+        finish_share: float = FINISH_SHARE,
     ):
         """generator: a TextGenerator (its session, stop ids and prompt checks); prefix_cache_mb: the
         memory shared prompt starts may keep (0: no prefix reuse); kv_cache_mb: the KV budget (None:
-        KVBudget.sized's default); prefill_share: prefill time allowed between two decode steps."""
-        if queue_size < 0 or prefix_cache_mb < 0 or prefill_share <= 0:
+        KVBudget.sized's default); prefill_share: prefill time allowed between two decode steps for
+        a prompt too long to finish in one gap; finish_share: the prefill time in which waiting
+        prompts' rests go whole into one gap (0: always in paced pieces)."""
+        if queue_size < 0 or prefix_cache_mb < 0 or prefill_share <= 0 or finish_share < 0:
             raise ValueError(
-                f"queue_size {queue_size} and prefix_cache_mb {prefix_cache_mb} must be >= 0, "
-                f"prefill_share {prefill_share} above 0"
+                f"queue_size {queue_size}, prefix_cache_mb {prefix_cache_mb} and finish_share {finish_share} "
+                f"must be >= 0, prefill_share {prefill_share} above 0"
             )
         self.generator, self.queue_size, self.prefill_share = generator, queue_size, prefill_share
+        self.finish_share = finish_share
         decoder = generator.decoder
         prefixes = PrefixCache(int(prefix_cache_mb * 1e6)) if prefix_cache_mb else None
         self.kv = KVBudget.sized(decoder.kv_bytes_per_token, decoder.context_length, slots, kv_cache_mb)
@@ -329,19 +339,27 @@ class Scheduler:
 
     def _prefill_allowance(self) -> int:
         """Prompt tokens to prefill before the next decode step: one piece while no row decodes,
-        else what fits in prefill_share steps' time at the measured prefill speed, times the
-        prompts waiting per decoding row where more wait than decode: filling the batch is
-        worth more than a few rows' next tokens (8 streams of SmolLM2 w8a8 here, when the share
-        was 1.5: x1.10 tokens/s and first tokens' p95 x0.7, the inter-token p95 unchanged), and
-        the rows already decoding pay, together, the same share for each prompt that joins them."""
+        else the waiting prompts' rests (fewest tokens left first) that fit in finish_share steps'
+        time at the measured prefill speed, or, when none does, what fits in prefill_share steps'
+        time. Both are times the prompts waiting per decoding row where more wait than decode:
+        filling the batch is worth more than a few rows' next tokens (8 streams of SmolLM2 w8a8
+        here, with pieces of 1.5 steps alone: x1.10 tokens/s and first tokens' p95 x0.7, the
+        inter-token p95 unchanged), and the rows already decoding pay, together, the same share
+        for each prompt that joins them."""
         decoding = sum(job.decoding for job in self.active.values())
         if not decoding:
             return self.piece
         if self.step_seconds is None or self.prefill_token_seconds is None:
             return 1  # measure first
         waiting_per_row = max(1.0, (len(self.active) - decoding) / decoding)
-        fits = int(self.prefill_share * self.step_seconds * waiting_per_row / self.prefill_token_seconds)
-        return max(1, fits)  # at least a token a turn: a prompt always progresses
+        tokens_per_step = self.step_seconds * waiting_per_row / self.prefill_token_seconds
+        paced = max(1, int(self.prefill_share * tokens_per_step))  # at least a token: a prompt always progresses
+        finishing = 0  # the waiting prompts, fewest tokens left first, that finish within finish_share steps
+        for left in sorted(_tokens_left(job) for job in self.active.values() if not job.decoding):
+            if finishing + left > self.finish_share * tokens_per_step:
+                break
+            finishing += left
+        return max(paced, finishing)
 
     def _prefill_piece(self, job: Job, allowance: int) -> int:
         """Prefill the job's next piece (at most allowance tokens); how many tokens ran."""

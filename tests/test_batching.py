@@ -286,3 +286,23 @@ def test_a_released_row_gives_its_memory_back(fp32_generator):
     assert resident_bytes(keys) >= 0.9 * row_bytes
     batch.release(0)
     assert resident_bytes(keys) == 0
+
+
+def test_a_waiting_prompt_that_finishes_within_the_finish_share_goes_whole_and_a_long_one_is_paced(fp32_generator):
+    """With one row decoding (a step of 10 ms) and prefill at 1 ms a token: a 50-token prompt
+    (50 ms, within 8 steps) goes whole into the next gap; a 4,000-token one gets 1.5 steps' time,
+    so the running stream waits at most 2.5 steps per token while it is prefilled."""
+    scheduler = Scheduler(fp32_generator, slots=3, queue_size=2, prefill_share=1.5, finish_share=8)
+    scheduler.step_seconds, scheduler.prefill_token_seconds = 0.010, 0.001
+    running = Job([1, 2, 3], 10, print, print)
+    running.decoding = True
+    scheduler.active = {0: running, 1: Job([5] * 4000, 4, print, print)}
+    assert scheduler._prefill_allowance() == 15  # noqa: SLF001 - paced: 1.5 steps of 10 ms at 1 ms a token
+    scheduler.active[2] = Job([7] * 50, 4, print, print)
+    assert scheduler._prefill_allowance() == 50  # noqa: SLF001 - the short one finishes within 8 steps
+
+
+@pytest.mark.parametrize("shares", [{"prefill_share": 0}, {"finish_share": -1}])
+def test_a_share_that_would_stall_or_mean_nothing_is_refused_in_one_line(fp32_generator, shares):
+    with pytest.raises(ValueError, match="prefill_share .* above 0"):
+        Scheduler(fp32_generator, slots=1, **shares)

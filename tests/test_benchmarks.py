@@ -214,7 +214,7 @@ def test_the_scheduler_replay_runs_the_real_scheduler_and_puts_the_model_back():
     timings = scheduler_replay.Timings({1: 1.0, 4: 2.0, 8: 4.0}, first_token_128_ms=1.0 + 128 * 0.01)
     assert timings.step(2) == pytest.approx(1.333e-3, rel=1e-3) and timings.piece(64) == pytest.approx(1.64e-3)
     scheduler_replay.StandInBatch.timings = timings
-    found = scheduler_replay.replay(streams=3, requests=2, prompt_tokens=20, new_tokens=5, share=8)
+    found = scheduler_replay.replay(streams=3, requests=2, prompt_tokens=20, new_tokens=5, share=1.5, finish=8)
     assert found["requests"] == 6 and found["aggregate_tokens_per_second"] > 0
     assert found["seconds_to_first_token_p50"] <= found["seconds_to_first_token_p95"]
     assert scheduler.BatchDecoder.__module__ == "ortforge.batch"  # the real decoder is back

@@ -87,14 +87,14 @@ def test_the_sweep_starts_from_what_this_machine_chose_before_while_it_is_proven
     before = DEFAULTS | {"graph_level": "extended", "enable_cpu_mem_arena": False}
     slower_defaults = runs_with({})  # nothing is clearly faster than the incumbent: it stays
     found = fake_sweep(monkeypatch, slower_defaults, incumbent=before)
-    assert found["started_from"] == before and found["session"] == before
+    assert found["trials"][0]["settings"] == before and found["session"] == before
 
     unproven = before | {"prefill_chunk": 64}  # validate no longer proves pieces: start from the defaults
     found = fake_sweep(monkeypatch, slower_defaults, allowed=lambda s: not s["prefill_chunk"], incumbent=unproven)
-    assert found["started_from"] == DEFAULTS and found["session"] == DEFAULTS
+    assert found["trials"][0]["settings"] == DEFAULTS and found["session"] == DEFAULTS
 
     incomplete = {"graph_level": "basic"}  # an older file's settings: not a whole choice
-    assert fake_sweep(monkeypatch, slower_defaults, incumbent=incomplete)["started_from"] == DEFAULTS
+    assert fake_sweep(monkeypatch, slower_defaults, incumbent=incomplete)["trials"][0]["settings"] == DEFAULTS
 
 
 def test_bench_starts_from_a_runtime_json_tuned_on_this_machine_only(tmp_path):

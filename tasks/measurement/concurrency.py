@@ -32,7 +32,9 @@ def request_prompts(ids: list[int], streams: int, requests: int, tokens: int, sh
     return [prompts[s * requests : (s + 1) * requests] for s in range(streams)]
 
 
-def _request(scheduler, prompt: list[int], new_tokens: int) -> dict:
+def request(scheduler, prompt: list[int], new_tokens: int) -> dict:
+    """One request through the scheduler, waited for: its first-token time, its inter-token gaps and
+    how many tokens it got. A request that errs or gets no end fails the run."""
     from ortforge.scheduler import Job
 
     arrivals, done, ends = [], threading.Event(), []
@@ -64,8 +66,8 @@ def measure_load(
     streams = len(prompts)
     scheduler = Scheduler(generator, slots=streams, queue_size=streams, prefix_cache_mb=cache_mb).start()
     try:
-        _request(scheduler, prompts[0][0][: max(1, len(prompts[0][0]) // 2)], 4)  # warm-up, untimed
-        done, wall = run_streams(prompts, lambda prompt: _request(scheduler, prompt, new_tokens))
+        request(scheduler, prompts[0][0][: max(1, len(prompts[0][0]) // 2)], 4)  # warm-up, untimed
+        done, wall = run_streams(prompts, lambda prompt: request(scheduler, prompt, new_tokens))
     finally:
         scheduler.stop()
     return {

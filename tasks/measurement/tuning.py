@@ -7,14 +7,14 @@ others stay at their best so far (9 trials on 2 cores instead of 144 for the ful
 settings the validate stage proved to leave the variant's logits as it checked them (a prefill
 chunk only where it proved pieces, thread counts and graph levels where it proved each). The
 objective is the whole workload's wall time (prefill plus every decode step), median of a few
-runs, each trial with its own session and a warm-up. A prefill chunk, like every other setting, wins only by being
-faster; an application that needs to bound activation memory on long prompts can set one itself.
+runs, each trial with its own session and a warm-up. A prefill chunk, like every other setting,
+wins only by being faster; an application that needs to bound activation memory on long prompts
+can set one itself.
 
 A setting changes only when it is clearly faster (clearly_faster): each of its runs beats each of
 the current best's, and its median by at least MIN_GAIN, in its first trial and again when both
-are measured once more. Taking any faster median chose within
-noise: 15 of the 20 committed choices beat the defaults by under 3%, and one re-run of every
-variant's bench changed 15 of them.
+are measured once more. Taking any faster median chose within noise: 15 of the 20 committed
+choices beat the defaults by under 3%, and one re-run of every variant's bench changed 15 of them.
 The sweep starts from the settings this machine chose before (bench passes the artifact's
 runtime.json when it was measured on a CPU with the same features), so a re-run keeps a choice
 unless a candidate beats it clearly; without one, from onnxruntime's defaults with every core.
@@ -115,8 +115,7 @@ def sweep(model_dir: str, prompt: list[int], new_tokens: int, repeats: int = 2, 
     return {
         "session": best,
         "workload_seconds": float(np.median(best_runs)),
-        "trials": trials,
-        "started_from": trials[0]["settings"],
+        "trials": trials,  # the first trial's settings are where the sweep started
     }
 
 
