@@ -4,13 +4,14 @@ serve` and, when installed, llama.cpp's `llama-server` (`--parallel N`, continuo
 same model's GGUF, driven by the same load generator over HTTP and interleaved per concurrency.
 
     python benchmarks/serving.py [--model smollm2-135m] [--variant int4,int8,fp32] [--streams 1,4,8]
-                                 [--prompt-tokens 128] [--new-tokens 64] [--requests 2]
+                                 [--prompt-tokens 128] [--new-tokens 64] [--requests 2] [--rounds 3]
 
 Each stream sends --requests streamed completions one after another (greedy); a request's prompt is
 --prompt-tokens of the GPL-3 text from its own offset, so streams share no prefix. Then prefix
 reuse: the time to first token of a request whose --prefix-tokens start another request sent just
-before, against that first (cold) one. Each server runs
-in its own process (its RSS is its own), one at a time, with as many slots as the concurrency.
+before, against that first (cold) one. Each server runs in its own process (its RSS is its own),
+one at a time, with as many slots as the concurrency; the whole sweep runs --rounds times, and
+each figure is the median over rounds.
 llama-server is found on PATH or in LLAMA_SERVER. Writes benchmarks/results/serving.json and
 serving.png and prints the table. Needs `dvc repro` first (it serves artifacts/).
 """
@@ -34,6 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks import provenance  # noqa: E402
+from benchmarks.load_peers import medians  # noqa: E402
 from benchmarks.side_by_side import gguf_file  # noqa: E402
 from tasks.core import paths  # noqa: E402
 from tasks.core.files import atomic_write_json  # noqa: E402
@@ -246,7 +248,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--requests", type=int, default=2, help="requests each stream sends in turn")
     parser.add_argument("--prefix-tokens", type=int, default=1024, help="the shared prefix of the reuse test")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; each figure is their median")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        raise SystemExit(f"error: --rounds {args.rounds}: at least 1")
     variants = args.variant.split(",")
     folders = {v: paths.variant_dir(args.model, v) for v in variants}
     for folder in folders.values():
@@ -269,19 +274,24 @@ def main(argv: list[str] | None = None) -> int:
         "servers": {},
     }
     context = args.prompt_tokens + args.new_tokens + 64
-    for streams in [int(s) for s in args.streams.split(",")]:
-        print(f"{streams} concurrent stream(s)", flush=True)
-        prompts = stream_prompts(streams, args.requests, args.prompt_tokens, folder)
-        for variant, served in folders.items():
-            port, name = free_port(), f"ortforge serve ({variant})"
-            command = ortforge_command(served, port, streams)
-            result = measure(name, command, port, f"{args.model}/{variant}", prompts, args.new_tokens)
-            report["servers"].setdefault(name, {})[str(streams)] = result
-        if llama and gguf:
-            port, name = free_port(), f"llama-server ({gguf.name})"
-            command = llama_command(llama, gguf, port, streams, context)
-            result = measure(name, command, port, "gguf", prompts, args.new_tokens)
-            report["servers"].setdefault(name, {})[str(streams)] = result
+    engines = [(f"ortforge serve ({v})", served, f"{args.model}/{v}") for v, served in folders.items()]
+    if llama and gguf:
+        engines.append((f"llama-server ({gguf.name})", gguf, "gguf"))
+    runs: dict[str, dict[str, list[dict]]] = {}
+    for round_index in range(args.rounds):
+        for streams in [int(s) for s in args.streams.split(",")]:
+            print(f"round {round_index + 1}/{args.rounds}: {streams} concurrent stream(s)", flush=True)
+            prompts = stream_prompts(streams, args.requests, args.prompt_tokens, folder)
+            for name, served, model in engines:
+                port = free_port()
+                if model == "gguf":
+                    command = llama_command(llama, gguf, port, streams, context)
+                else:
+                    command = ortforge_command(served, port, streams)
+                result = measure(name, command, port, model, prompts, args.new_tokens)
+                runs.setdefault(name, {}).setdefault(str(streams), []).append(result)
+    report["servers"] = {name: {s: medians(found) for s, found in by.items()} for name, by in runs.items()}
+    report["rounds"] = args.rounds
     print("prefix reuse", flush=True)
     report["prefix_reuse"] = prefix_reuse(folder, f"{args.model}/{variants[0]}", args.prefix_tokens, 8)
     if not (llama and gguf):
