@@ -142,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
             speed, first = f["aggregate_tokens_per_second"], f"{f['seconds_to_first_token_p50'] * 1e3:.0f}"
             first += f" / {f['seconds_to_first_token_p95'] * 1e3:.0f}"
             gaps = f"{f['inter_token_ms_p50']:.1f} / {f['inter_token_ms_p95']:.1f}"
-            print(f"| {variant} | {share:g} | {finish:g} | {speed:.1f} | {speed / alone:.2f} | {first} | {gaps} |", flush=True)
+            row = [variant, f"{share:g}", f"{finish:g}", f"{speed:.1f}", f"{speed / alone:.2f}", first, gaps]
+            print("| " + " | ".join(row) + " |", flush=True)
     return 0
 
 
