@@ -217,8 +217,8 @@ def measure(variant_dir: Path, reference: Reference, cfg: EvalConfig) -> dict:
             "float_compute": cached is not None,  # MatMulNBits at accuracy_level 0 on both sides
             "quantized_cache_against_float_cache": float_cache is not None,
         }
-        # The proof opens its own sessions (two at a time): the scoring ones go first, or a 1B
-        # int8 variant held four at once.
+        # The proof opens its own sessions (one at a time): the scoring ones go first, or a 1B
+        # int8 variant held three at once.
         del decoder, cached, float_cache
         gc.collect()
         proof = prove_deployment(variant_dir, checked_dir, next(iter(reference.texts.values())).ids)
@@ -406,8 +406,8 @@ def needs(a) -> resources.Needs:
     """What validate holds at once, in sessions (each loads the weights and prepacks its own copy,
     resources.runtime_needs), the larger of its two phases: scoring the texts (the variant's
     session and the cache checks', and for a quantized cache its KL check's windows) and, after
-    those are closed, the deployment proof (tasks/evaluation/deployment.py: two sessions of the
-    cache check's graph)."""
+    those are closed, the deployment proof (tasks/evaluation/deployment.py: one session of the
+    cache check's graph at a time)."""
     variant_dir, window = a.paths["variant-dir"], a.params.validation.eval.window
     one = resources.runtime_needs(variant_dir, window, "scoring windows")
     if not (variant_dir / MODEL_FILE).is_file():
@@ -418,9 +418,9 @@ def needs(a) -> resources.Needs:
     weights = folder_bytes(variant_dir, "model.onnx*")
     session = 2 * weights + widened  # one session of the cache check's graph
     scoring = one.memory + extra * session + kl_bytes
-    proof = resources.RUNTIME_MEMORY + 2 * session
+    proof = resources.RUNTIME_MEMORY + session
     scoring_sessions = f"{1 + extra} session{'s' if extra else ''}"
-    held = f"{scoring_sessions} held while scoring, 2 while proving its deployment"
+    held = f"{scoring_sessions} held while scoring, 1 while proving its deployment"
     return resources.Needs(max(scoring, proof), one.disk, f"{one.basis}, {held}")
 
 

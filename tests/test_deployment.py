@@ -63,6 +63,15 @@ def test_the_prompt_reaches_past_every_boundary_the_config_declares():
     assert deployment.boundaries({"sliding_window": None, "max_position_embeddings": 2048}) == {}
 
 
+def test_a_rope_that_scales_every_length_alike_is_no_boundary():
+    """Llama 3's rope (like yarn and linear) gives a position the same frequencies in any run: its
+    original context is no length past which anything changes, and proving past it cost 12x."""
+    llama3 = {"rope_type": "llama3", "factor": 32.0, "original_max_position_embeddings": 8192}
+    assert deployment.boundaries({"rope_scaling": llama3, "max_position_embeddings": 131072}) == {}
+    dynamic = {"rope_scaling": {"type": "dynamic", "factor": 2.0}, "original_max_position_embeddings": 2048}
+    assert deployment.boundaries(dynamic) == {"original_max_position_embeddings": 2048}
+
+
 def stamped(folder, tmp_path, record: dict | None):
     """A copy of the variant folder with a stamp carrying the given deployment record."""
     import shutil

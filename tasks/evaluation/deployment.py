@@ -79,13 +79,23 @@ def _parse(label: str):
 
 
 def boundaries(config: dict) -> dict[str, int]:
-    """The lengths past which the config says attention or positions change."""
+    """The lengths past which the config says attention or positions change. A rope's original
+    context is one only where the rope changes with the run's length (LongRoPE, dynamic NTK):
+    llama3, yarn and linear scaling give every position the same frequencies at any length, and
+    counting Llama 3's 8,192 made validate prove prompts as long as the evaluation text (2,048
+    tokens) instead of 160."""
+    from ortforge.decoder import LENGTH_DEPENDENT_ROPE
+
     scaling = config.get("rope_scaling") if isinstance(config.get("rope_scaling"), dict) else {}
+    length_dependent = (scaling.get("rope_type") or scaling.get("type")) in LENGTH_DEPENDENT_ROPE
     found = {
         "sliding_window": config.get("sliding_window"),
         "attention_chunk_size": config.get("attention_chunk_size"),
-        "original_max_position_embeddings": scaling.get("original_max_position_embeddings")
-        or (config.get("original_max_position_embeddings") if scaling else None),
+        "original_max_position_embeddings": (
+            scaling.get("original_max_position_embeddings") or config.get("original_max_position_embeddings")
+        )
+        if length_dependent
+        else None,
     }
     return {name: value for name, value in found.items() if isinstance(value, int) and value > 0}
 
@@ -133,12 +143,28 @@ def _in_pieces(batch, prompt: list[int], sizes: list[int], steps: list[int]) -> 
 def prove(session_of, rope, ids: np.ndarray, config: dict, chunks: tuple[int, ...]) -> Proof:
     """session_of(threads, level): a session over the float-compute graph; rope: the model's
     length_dependent_rope; ids: the evaluation text's tokens; config: the model's config.json;
-    chunks: the prefill chunks tuning may choose."""
-    from ortforge.batch import BatchDecoder
+    chunks: the prefill chunks tuning may choose. One session is open at a time: at 1B a
+    float-compute session of an int8 graph holds a few GB."""
+    proof, (short, short_steps), plain = _prove_runs(session_of(0, "all"), rope, ids, config, chunks)
+    for threads in range(1, (os.cpu_count() or 1) + 1):
+        for level in GRAPH_LEVELS:
+            other = _alone(_decoder(session_of(threads, level), 0, rope), short, short_steps)
+            proof.settings[setting_label(threads, level)] = max(map(probability_gap, other, plain))
+    return proof
+
+
+def _decoder(session, chunk: int, rope):
     from ortforge.decoder import Decoder
 
-    session = session_of(0, "all")
-    context = Decoder(session).context_length or len(ids)
+    return Decoder(session, prefill_chunk=chunk, rope=rope)
+
+
+def _prove_runs(session, rope, ids: np.ndarray, config: dict, chunks: tuple[int, ...]) -> tuple:
+    """Pieces and batched rows on the default session; the proof so far, and the short run the
+    settings are compared on with the default session's logits of it."""
+    from ortforge.batch import BatchDecoder
+
+    context = _decoder(session, 0, rope).context_length or len(ids)
     found = {name: value for name, value in boundaries(config).items() if value < context}  # past it: nothing runs
     furthest = max(found.values(), default=0)
     room = min(len(ids) - 1, context) - STEPS - 1  # the prompt, its steps and one more token
@@ -148,8 +174,8 @@ def prove(session_of, rope, ids: np.ndarray, config: dict, chunks: tuple[int, ..
         log.warning("the evaluation text (%d tokens) is too short to pass %s", length, proof.beyond_text)
     prompt, steps = ids[:length].tolist(), ids[length : length + STEPS].tolist()
 
-    def decoder_of(chunk: int, on=session) -> Decoder:
-        return Decoder(on, prefill_chunk=chunk, rope=rope)
+    def decoder_of(chunk: int):
+        return _decoder(session, chunk, rope)
 
     whole = _alone(decoder_of(0), prompt, steps)
     for chunk in chunks:
@@ -163,13 +189,8 @@ def prove(session_of, rope, ids: np.ndarray, config: dict, chunks: tuple[int, ..
         proof.pieces["uneven " + "/".join(map(str, UNEVEN_PIECES))] = max(map(probability_gap, uneven, whole))
         proof.rows = _batched_rows_gap(batch, decoder_of, ids, length, found)
     # A setting's arithmetic does not depend on where the sequence stands: a short one shows it.
-    short, short_steps = prompt[:SETTINGS_PROMPT], steps[:2]
-    plain = _alone(decoder_of(0), short, short_steps)
-    for threads in range(1, (os.cpu_count() or 1) + 1):
-        for level in GRAPH_LEVELS:
-            other = _alone(decoder_of(0, session_of(threads, level)), short, short_steps)
-            proof.settings[setting_label(threads, level)] = max(map(probability_gap, other, plain))
-    return proof
+    short = (prompt[:SETTINGS_PROMPT], steps[:2])
+    return proof, short, _alone(decoder_of(0), *short)
 
 
 def _batched_rows_gap(batch, decoder_of, ids: np.ndarray, length: int, found: dict[str, int]) -> float:
