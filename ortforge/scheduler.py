@@ -17,7 +17,7 @@ left first: one longer gap instead of several short ones, so the batch fills soo
 the running streams' gaps hold a piece. A longer prompt gets pieces whose measured time is at most
 `prefill_share` times a step's, so a running stream waits at most 1 + prefill_share steps for a
 token while it is prefilled. Both are times the number of prompts waiting per decoding row where
-more wait than decode (the batch fills sooner), and a short request arriving behind a long prompt
+more wait than decode, and a short request arriving behind a long prompt
 starts within a piece's time. Pieces change where a prompt is cut, not what is computed; a variant
 validate did not prove pieces for (one activation scale per run), and a model whose rotary
 frequencies depend on a run's length past its limit (LongRoPE), prefill whole prompts instead.
@@ -328,7 +328,7 @@ class Scheduler:
     def _prefill(self) -> None:
         """Pieces of the waiting prompts, fewest tokens left first, within this turn's allowance."""
         waiting = sorted((job for job in self.active.values() if not job.decoding), key=_tokens_left)
-        allowance = self._prefill_allowance()
+        allowance = self._prefill_allowance(waiting)
         for job in waiting:
             if allowance <= 0:
                 return
@@ -337,25 +337,25 @@ class Scheduler:
                 continue
             allowance -= self._prefill_piece(job, allowance)
 
-    def _prefill_allowance(self) -> int:
+    def _prefill_allowance(self, waiting: list[Job]) -> int:
         """Prompt tokens to prefill before the next decode step: one piece while no row decodes,
-        else the waiting prompts' rests (fewest tokens left first) that fit in finish_share steps'
+        else the rests of the waiting prompts (sorted fewest tokens left first) that fit in finish_share steps'
         time at the measured prefill speed, or, when none does, what fits in prefill_share steps'
         time. Both are times the prompts waiting per decoding row where more wait than decode:
         filling the batch is worth more than a few rows' next tokens (8 streams of SmolLM2 w8a8
         here, with pieces of 1.5 steps alone: x1.10 tokens/s and first tokens' p95 x0.7, the
         inter-token p95 unchanged), and the rows already decoding pay, together, the same share
         for each prompt that joins them."""
-        decoding = sum(job.decoding for job in self.active.values())
+        decoding = len(self.active) - len(waiting)
         if not decoding:
             return self.piece
         if self.step_seconds is None or self.prefill_token_seconds is None:
             return 1  # measure first
-        waiting_per_row = max(1.0, (len(self.active) - decoding) / decoding)
+        waiting_per_row = max(1.0, len(waiting) / decoding)
         tokens_per_step = self.step_seconds * waiting_per_row / self.prefill_token_seconds
         paced = max(1, int(self.prefill_share * tokens_per_step))  # at least a token: a prompt always progresses
         finishing = 0  # the waiting prompts, fewest tokens left first, that finish within finish_share steps
-        for left in sorted(_tokens_left(job) for job in self.active.values() if not job.decoding):
+        for left in map(_tokens_left, waiting):
             if finishing + left > self.finish_share * tokens_per_step:
                 break
             finishing += left

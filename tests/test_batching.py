@@ -296,10 +296,11 @@ def test_a_waiting_prompt_that_finishes_within_the_finish_share_goes_whole_and_a
     scheduler.step_seconds, scheduler.prefill_token_seconds = 0.010, 0.001
     running = Job([1, 2, 3], 10, print, print)
     running.decoding = True
-    scheduler.active = {0: running, 1: Job([5] * 4000, 4, print, print)}
-    assert scheduler._prefill_allowance() == 15  # noqa: SLF001 - paced: 1.5 steps of 10 ms at 1 ms a token
-    scheduler.active[2] = Job([7] * 50, 4, print, print)
-    assert scheduler._prefill_allowance() == 50  # noqa: SLF001 - the short one finishes within 8 steps
+    long, short = Job([5] * 4000, 4, print, print), Job([7] * 50, 4, print, print)
+    scheduler.active = {0: running, 1: long}
+    assert scheduler._prefill_allowance([long]) == 15  # noqa: SLF001 - paced: 1.5 steps of 10 ms at 1 ms a token
+    scheduler.active[2] = short
+    assert scheduler._prefill_allowance([short, long]) == 50  # noqa: SLF001 - the short one finishes within 8 steps
 
 
 @pytest.mark.parametrize("shares", [{"prefill_share": 0}, {"finish_share": -1}])
