@@ -65,7 +65,8 @@ def test_the_prompt_reaches_past_every_boundary_the_config_declares():
 
 def test_a_rope_that_scales_every_length_alike_is_no_boundary():
     """Llama 3's rope (like yarn and linear) gives a position the same frequencies in any run: its
-    original context is no length past which anything changes, and proving past it cost 12x."""
+    original context is no length past which anything changes (counting it made the proof run
+    prompts as long as the evaluation text, 2,038 tokens instead of 160, at the 1B shape)."""
     llama3 = {"rope_type": "llama3", "factor": 32.0, "original_max_position_embeddings": 8192}
     assert deployment.boundaries({"rope_scaling": llama3, "max_position_embeddings": 131072}) == {}
     dynamic = {"rope_scaling": {"type": "dynamic", "factor": 2.0}, "original_max_position_embeddings": 2048}
