@@ -19,6 +19,7 @@ serving.png and prints the table. Needs `dvc repro` first (it serves artifacts/)
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -274,21 +275,25 @@ def main(argv: list[str] | None = None) -> int:
         "servers": {},
     }
     context = args.prompt_tokens + args.new_tokens + 64
-    engines = [(f"ortforge serve ({v})", served, f"{args.model}/{v}") for v, served in folders.items()]
+    # name, the model name requests carry, and the server's command for (port, slots)
+    engines = [
+        (f"ortforge serve ({v})", f"{args.model}/{v}", functools.partial(ortforge_command, served))
+        for v, served in folders.items()
+    ]
     if llama and gguf:
-        engines.append((f"llama-server ({gguf.name})", gguf, "gguf"))
+
+        def llama_server(port: int, slots: int) -> list[str]:
+            return llama_command(llama, gguf, port, slots, context)
+
+        engines.append((f"llama-server ({gguf.name})", "gguf", llama_server))
     runs: dict[str, dict[str, list[dict]]] = {}
     for round_index in range(args.rounds):
         for streams in [int(s) for s in args.streams.split(",")]:
             print(f"round {round_index + 1}/{args.rounds}: {streams} concurrent stream(s)", flush=True)
             prompts = stream_prompts(streams, args.requests, args.prompt_tokens, folder)
-            for name, served, model in engines:
+            for name, model, command_of in engines:
                 port = free_port()
-                if model == "gguf":
-                    command = llama_command(llama, gguf, port, streams, context)
-                else:
-                    command = ortforge_command(served, port, streams)
-                result = measure(name, command, port, model, prompts, args.new_tokens)
+                result = measure(name, command_of(port, streams), port, model, prompts, args.new_tokens)
                 runs.setdefault(name, {}).setdefault(str(streams), []).append(result)
     report["servers"] = {name: {s: medians(found) for s, found in by.items()} for name, by in runs.items()}
     report["rounds"] = args.rounds
