@@ -25,7 +25,7 @@ import numpy as np
 from ortforge.manifest import read_manifest, sha256_file, validation_stamp
 from ortforge.names import DEPLOYMENT_KEY, LOGITS, MANIFEST_FILE, MODEL_CONFIG_FILE, MODEL_FILE
 from tasks.core import paths, resources
-from tasks.core.files import atomic_write_json, folder_bytes
+from tasks.core.files import atomic_write_json, folder_bytes, link_or_copy
 from tasks.core.params import EvalConfig, Thresholds
 from tasks.core.stage import StageError, stage_cli
 from tasks.evaluation import deployment
@@ -40,10 +40,12 @@ from tasks.evaluation.metrics import (
     windowed_kl,
 )
 from tasks.graphs import onnx_io
-from tasks.quantization import coverage, kv_cache, per_token
+from tasks.graphs.weights import ExternalData, WeightStore, external_files
+from tasks.quantization import coverage, kv_cache, per_token, weight_only
 from tasks.quantization.configs import QuantizeConfig
 
 log = logging.getLogger(__name__)
+FLOAT_COMPUTE_DATA = "float_compute.data"  # the 4-bit codes weight_only.float_compute writes for 8-bit ones
 
 
 @dataclass(frozen=True)
@@ -134,10 +136,8 @@ def greedy_agreement(decoder, text: TextReference) -> float:
     return float(np.mean(predicted == text.greedy_tokens))
 
 
-def measure_text(
-    decoder, cached, float_cache, text: TextReference, cfg: EvalConfig, sequence: int, reference_ppl: float
-) -> dict:
-    """The figures of one text; cached and float_cache: the cache checks' decoders (cache_check_decoders)."""
+def measure_text(decoder, text: TextReference, cfg: EvalConfig, sequence: int, reference_ppl: float) -> dict:
+    """The variant's figures on one text (the cache checks' come after, cache_figures)."""
     figures = compare(decoder, text, cfg, sequence)
     matched = matching_prefix(greedy(decoder, text.greedy_prompt, len(text.greedy_tokens)), text.greedy_tokens)
     return figures | {
@@ -146,7 +146,6 @@ def measure_text(
         "greedy_agreement": greedy_agreement(decoder, text),
         "greedy_tokens_matched": matched,  # free-running: how long the two continuations stay equal
         "greedy_steps": len(text.greedy_tokens),
-        **cache_figures(cached or decoder, float_cache, text.ids, cfg, sequence),
     }
 
 
@@ -160,68 +159,62 @@ def cache_figures(checked, float_cache, ids: np.ndarray, cfg: EvalConfig, sequen
     return figures
 
 
-def float_compute(graph) -> int:
-    """Set every MatMulNBits of graph (in place) to compute in float32 (accuracy_level 0); return
-    how many changed. Level 4 quantizes activations to int8, and its kernels round a one-token run
-    differently from a many-token run (SmolLM2 int8: up to 1.9 logits apart, each about as far
-    from PyTorch), so comparing cached decode with a full pass checks the cache only with float
-    compute on both sides."""
-    changed = 0
-    for node in graph.graph.node:
-        if node.op_type != "MatMulNBits":
-            continue
-        for attribute in node.attribute:
-            if attribute.name == "accuracy_level" and attribute.i != 0:
-                attribute.i = 0
-                changed += 1
-    return changed
-
-
 def cache_check_decoders(variant_dir: Path, scratch: Path) -> tuple:
-    """The decoders the cache checks run, over the variant's graph with float compute (float_compute:
-    int8-activation kernels round one token differently from many, which would hide the cache's own
-    behaviour): one with the variant's cache (None: no MatMulNBits or per-token matmul to change,
-    the variant itself), for a quantized cache one with a float cache (None for a float cache), and
-    the folder of the first one's graph."""
+    """The decoders the cache checks run, over the variant's graph with float compute
+    (weight_only.float_compute, per_token.float_compute: int8-activation kernels round one token
+    differently from many, which would hide the cache's own behaviour): one with the variant's cache
+    (the variant itself where there is no MatMulNBits or per-token matmul to change), for a
+    quantized cache one with a float cache (None for a float cache), and the folder of the first
+    one's graph."""
     from ortforge.decoder import Decoder
     from ortforge.session import create_session
+
+    weights = scratch / "weights"  # the variant's files, linked, and the codes float compute writes
+    weights.mkdir()
 
     def decoder_over(graph, name: str) -> Decoder:
         folder = scratch / name
         folder.mkdir()
-        onnx_io.save_runnable(graph, variant_dir, folder)
+        onnx_io.save_runnable(graph, weights, folder)
         return Decoder(create_session(folder))
 
     graph = structure(variant_dir)
-    exact = float_compute(graph) + per_token.float_compute(graph) > 0
-    cached = decoder_over(graph, "cached") if exact else None
+    for file in external_files(graph):
+        link_or_copy(variant_dir / file, weights / file)
+    written = ExternalData(weights, FLOAT_COMPUTE_DATA)
+    store = WeightStore(graph, variant_dir)
+    exact = weight_only.float_compute(graph, store, written) + per_token.float_compute(graph) > 0
+    checked = decoder_over(graph, "cached") if exact else Decoder(create_session(variant_dir))
     full = decoder_over(kv_cache.float_cache(graph), "float-cache") if quantized_cache(graph) else None
-    return cached, full, scratch / "cached" if exact else variant_dir
+    return checked, full, scratch / "cached" if exact else variant_dir
 
 
 def measure(variant_dir: Path, reference: Reference, cfg: EvalConfig) -> dict:
-    """Per text, then the worst over the texts of each gated measure (the figures reports show)."""
+    """Per text, then the worst over the texts of each gated measure (the figures reports show).
+    Three phases, each closing its sessions before the next opens its own: the variant scored on
+    each text, the cache checked on each, and the deployment proven (a random-weight Llama 3.2 1B's
+    int8 peaked at 5.8 GB holding the first two phases' sessions together, 3.8 GB one at a time)."""
     from ortforge.decoder import Decoder
     from ortforge.session import create_session
 
+    texts, sequence = reference.texts, reference.sequence_tokens
     decoder = Decoder(create_session(variant_dir))
+    per_text = {
+        name: measure_text(decoder, text, cfg, sequence, reference.perplexity[name]) for name, text in texts.items()
+    }
+    del decoder
+    gc.collect()
     with tempfile.TemporaryDirectory() as scratch:
-        cached, float_cache, checked_dir = cache_check_decoders(variant_dir, Path(scratch))
-        per_text = {
-            name: measure_text(
-                decoder, cached, float_cache, text, cfg, reference.sequence_tokens, reference.perplexity[name]
-            )
-            for name, text in reference.texts.items()
-        }
+        checked, float_cache, checked_dir = cache_check_decoders(variant_dir, Path(scratch))
+        for name, text in texts.items():
+            per_text[name] |= cache_figures(checked, float_cache, text.ids, cfg, sequence)
         kv_check = {
-            "float_compute": cached is not None,  # MatMulNBits at accuracy_level 0 on both sides
+            "float_compute": checked_dir != variant_dir,  # the cache check's graph computes in float32
             "quantized_cache_against_float_cache": float_cache is not None,
         }
-        # The proof opens its own sessions (one at a time): the scoring ones go first, or a 1B
-        # int8 variant held three at once.
-        del decoder, cached, float_cache
+        del checked, float_cache
         gc.collect()
-        proof = prove_deployment(variant_dir, checked_dir, next(iter(reference.texts.values())).ids)
+        proof = prove_deployment(variant_dir, checked_dir, next(iter(texts.values())).ids)
     first = next(iter(per_text.values()))
     worst = {name: pick(figures[name] for figures in per_text.values()) for name, pick, _ in GATES if name in first}
     return {
@@ -232,7 +225,7 @@ def measure(variant_dir: Path, reference: Reference, cfg: EvalConfig) -> dict:
         "greedy_steps": first["greedy_steps"],
         "max_logit_diff": max(figures["max_logit_diff"] for figures in per_text.values()),
         "kv_check": kv_check,
-        "sequence_tokens": reference.sequence_tokens,
+        "sequence_tokens": sequence,
         "tokens_scored": first["tokens_scored"],  # per text
         "texts": per_text,
         DEPLOYMENT_KEY: proof.record(),
@@ -372,14 +365,13 @@ def quantized_cache(graph) -> bool:
 
 
 def cache_check_sessions(graph) -> tuple[int, int]:
-    """How many sessions besides the variant's own the cache checks open (cache_check_decoders):
-    one with float compute where the graph (structure) has int8-activation matmuls, one over a
-    float cache where the cache is quantized; and the float32 bytes of the largest matrix that
-    float compute widens during a run (per_token.float_compute; 0 when there is none). Changes
-    the graph."""
+    """How many sessions the cache checks hold at once (cache_check_decoders): the one they check
+    (over float compute where the graph (structure) has int8-activation matmuls, else the variant
+    itself) and, where the cache is quantized, one over a float cache; and the float32 bytes of the
+    largest matrix that float compute widens during a run (per_token.float_compute; 0 when there is
+    none). Changes the graph."""
     widened = per_token.float_compute(graph) > 0
-    sessions = int(widened or float_compute(graph) > 0) + int(quantized_cache(graph))
-    return sessions, largest_widened_bytes(graph) if widened else 0
+    return 1 + int(quantized_cache(graph)), largest_widened_bytes(graph) if widened else 0
 
 
 def largest_widened_bytes(graph) -> int:
@@ -404,24 +396,23 @@ def kv_kl_bytes(graph, window: int) -> int:
 
 def needs(a) -> resources.Needs:
     """What validate holds at once, in sessions (each loads the weights and prepacks its own copy,
-    resources.runtime_needs), the larger of its two phases: scoring the texts (the variant's
-    session and the cache checks', and for a quantized cache its KL check's windows) and, after
-    those are closed, the deployment proof (tasks/evaluation/deployment.py: one session of the
-    cache check's graph at a time)."""
+    resources.runtime_needs), the largest of its three phases (measure): scoring the texts (the
+    variant's session and its logits windows), checking the cache (its sessions, and for a quantized
+    cache its KL check's windows), and proving the deployment (tasks/evaluation/deployment.py: one
+    session of the cache check's graph at a time)."""
     variant_dir, window = a.paths["variant-dir"], a.params.validation.eval.window
     one = resources.runtime_needs(variant_dir, window, "scoring windows")
     if not (variant_dir / MODEL_FILE).is_file():
         return one  # run() says which stage to run first
     graph = structure(variant_dir)
     kl_bytes = kv_kl_bytes(graph, window)  # before cache_check_sessions changes the graph
-    extra, widened = cache_check_sessions(graph)
-    weights = folder_bytes(variant_dir, "model.onnx*")
-    session = 2 * weights + widened  # one session of the cache check's graph
-    scoring = one.memory + extra * session + kl_bytes
-    proof = resources.RUNTIME_MEMORY + session
-    scoring_sessions = f"{1 + extra} session{'s' if extra else ''}"
-    held = f"{scoring_sessions} held while scoring, 1 while proving its deployment"
-    return resources.Needs(max(scoring, proof), one.disk, f"{one.basis}, {held}")
+    written = weight_only.float_compute_bytes(graph)  # the 8-bit codes as 4-bit ones, on temporary disk
+    sessions, widened = cache_check_sessions(graph)
+    session = 2 * folder_bytes(variant_dir, "model.onnx*") + widened  # one session of the cache check's graph
+    checking = resources.RUNTIME_MEMORY + sessions * session + kl_bytes  # the proof's one session fits in it
+    held = f"1 session while scoring, {sessions} while checking the cache, 1 while proving its deployment"
+    rewritten = f", its 8-bit codes rewritten as {resources.amount(written)} of 4-bit ones" if written else ""
+    return resources.Needs(max(one.memory, checking), one.disk + written, f"{one.basis}, {held}{rewritten}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -278,3 +278,36 @@ def test_linears_reading_one_input_become_one_matmul(built):
         if len(group) > 1
         for linear in group
     }
+
+
+def matmul_attributes(model) -> list[tuple[int, int]]:
+    """(bits, accuracy_level) of each MatMulNBits."""
+    return [
+        (weight_only._attribute(n, "bits"), weight_only._attribute(n, "accuracy_level"))
+        for n in model.graph.node
+        if n.op_type == "MatMulNBits"
+    ]
+
+
+@pytest.mark.parametrize("bits, zero_point", [(8, "none"), (8, "integer"), (4, "integer")])
+def test_float_compute_computes_the_same_weights_in_float32(built, tmp_path, bits, zero_point):
+    """Validate's float compute: 8-bit nodes become two 4-bit ones over the same values (onnxruntime's
+    8-bit float kernel widens the whole matrix every run), the rest accuracy_level 0; the logits are
+    those of the variant computed at accuracy_level 0 (the slow 8-bit kernel), to float rounding."""
+    cfg = quantize_config(method="weight_only", bits=bits, zero_point=zero_point, output_bits=8, accuracy_level=4)
+    variant = quantize(onnx_io.load(built["optimized"]), cfg)
+    exact = quantize(onnx_io.load(built["optimized"]), cfg.model_copy(update={"accuracy_level": 0}))
+    nodes = len(matmul_attributes(variant))
+    eight_bit = sum(b == 8 for b, _ in matmul_attributes(variant))
+
+    computed = copy.deepcopy(variant)
+    assert weight_only.float_compute(computed, WeightStore(computed, None)) == nodes
+    assert set(matmul_attributes(computed)) == {(4, 0)}
+    assert len(matmul_attributes(computed)) == nodes + eight_bit  # each 8-bit node as two
+    planned = weight_only.float_compute_bytes(variant)
+    written = sum(t.ByteSize() for t in computed.graph.initializer if "/float_compute/" in t.name)
+    assert 0.9 * planned < written < 1.1 * planned + 4096
+    got = logits_of(computed, tmp_path / "float_compute", built["hf"])
+    expected = logits_of(exact, tmp_path / "accuracy_level_0", built["hf"])
+    np.testing.assert_allclose(got, expected, atol=1e-4)
+    assert np.abs(logits_of(variant, tmp_path / "variant", built["hf"]) - expected).max() > 1e-4  # level 4 differs

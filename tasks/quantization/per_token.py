@@ -212,6 +212,11 @@ def float_compute(model) -> int:
     from tasks.graphs.weights import GraphIndex
 
     index = GraphIndex(model)
+    # Every DequantizeLinear reads these same scale and zero point initializers, which also keeps
+    # onnxruntime 1.32's DequantizeLinear -> MatMul fusion away: it makes a MatMulNBits at accuracy
+    # level 4 (int8 activations) of a pair whose constants no other node reads (measured on one
+    # [2048 x 4096] matrix: 0.5% off float), and that would not be float compute.
+    # test_float_compute_keeps_the_codes_int8_in_the_session checks the optimized graph.
     one = "/per_token/float_compute/one"
     zeros: dict[int, str] = {}  # code type -> its zero point
     changed = 0
