@@ -45,7 +45,7 @@ from tasks.quantization import coverage, kv_cache, per_token, weight_only
 from tasks.quantization.configs import QuantizeConfig
 
 log = logging.getLogger(__name__)
-FLOAT_COMPUTE_DATA = "float_compute.data"  # the 4-bit codes weight_only.float_compute writes for 8-bit ones
+FLOAT_COMPUTE_DATA = "float_compute.data"  # the 4-bit codes float compute writes (weight_only, per_token)
 
 
 @dataclass(frozen=True)
@@ -183,7 +183,7 @@ def cache_check_decoders(variant_dir: Path, scratch: Path) -> tuple:
         link_or_copy(variant_dir / file, weights / file)
     written = ExternalData(weights, FLOAT_COMPUTE_DATA)
     store = WeightStore(graph, variant_dir)
-    exact = weight_only.float_compute(graph, store, written) + per_token.float_compute(graph) > 0
+    exact = weight_only.float_compute(graph, store, written) + per_token.float_compute(graph, store, written) > 0
     checked = decoder_over(graph, "cached") if exact else Decoder(create_session(variant_dir))
     full = decoder_over(kv_cache.float_cache(graph), "float-cache") if quantized_cache(graph) else None
     return checked, full, scratch / "cached" if exact else variant_dir
@@ -364,20 +364,16 @@ def quantized_cache(graph) -> bool:
     return kv_cache.stored_bits(graph) < 16
 
 
-def cache_check_sessions(graph) -> tuple[int, int]:
+def cache_check_sessions(graph) -> int:
     """How many sessions the cache checks hold at once (cache_check_decoders): the one they check
     (over float compute where the graph (structure) has int8-activation matmuls, else the variant
-    itself) and, where the cache is quantized, one over a float cache; and the float32 bytes of the
-    largest matrix that float compute widens during a run (per_token.float_compute; 0 when there is
-    none). Changes the graph."""
-    widened = per_token.float_compute(graph) > 0
-    return 1 + int(quantized_cache(graph)), largest_widened_bytes(graph) if widened else 0
+    itself) and, where the cache is quantized, one over a float cache."""
+    return 1 + int(quantized_cache(graph))
 
 
-def largest_widened_bytes(graph) -> int:
-    initializers = {t.name: t for t in graph.graph.initializer}
-    widened = [n.input[0] for n in graph.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in initializers]
-    return 4 * max((math.prod(initializers[name].dims) for name in widened), default=0)
+def float_compute_bytes(graph) -> int:
+    """The bytes of 4-bit codes the cache check's float compute writes (on temporary disk)."""
+    return weight_only.float_compute_bytes(graph) + per_token.float_compute_bytes(graph)
 
 
 # What the quantized cache's KL check (windowed_kl) adds per logit of a window: both decoders'
@@ -405,11 +401,9 @@ def needs(a) -> resources.Needs:
     if not (variant_dir / MODEL_FILE).is_file():
         return one  # run() says which stage to run first
     graph = structure(variant_dir)
-    kl_bytes = kv_kl_bytes(graph, window)  # before cache_check_sessions changes the graph
-    written = weight_only.float_compute_bytes(graph)  # the 8-bit codes as 4-bit ones, on temporary disk
-    sessions, widened = cache_check_sessions(graph)
-    session = 2 * folder_bytes(variant_dir, "model.onnx*") + widened  # one session of the cache check's graph
-    checking = resources.RUNTIME_MEMORY + sessions * session + kl_bytes  # the proof's one session fits in it
+    sessions, written = cache_check_sessions(graph), float_compute_bytes(graph)
+    session = 2 * folder_bytes(variant_dir, "model.onnx*")  # float compute holds the same bytes of codes
+    checking = resources.RUNTIME_MEMORY + sessions * session + kv_kl_bytes(graph, window)  # the proof's one fits
     held = f"1 session while scoring, {sessions} while checking the cache, 1 while proving its deployment"
     rewritten = f", its 8-bit codes rewritten as {resources.amount(written)} of 4-bit ones" if written else ""
     return resources.Needs(max(one.memory, checking), one.disk + written, f"{one.basis}, {held}{rewritten}")

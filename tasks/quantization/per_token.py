@@ -29,7 +29,14 @@ import numpy as np
 
 from tasks.graphs.weights import ExternalData, WeightStore, prune
 from tasks.quantization.layers import linear_layers, output_layer, sibling_groups, weight_matrix
-from tasks.quantization.writer import GraphWriter, group_bias, packed_names, split_back
+from tasks.quantization.writer import (
+    GraphWriter,
+    float_halves_bytes,
+    group_bias,
+    packed_names,
+    split_back,
+    write_float_halves,
+)
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +44,7 @@ LEVELS = 127  # symmetric int8 codes, weights and activations alike
 ACTIVATION_ZERO = 128  # uint8 activation codes are centred here
 CODES = "/per_token/codes"  # suffix of an activation's codes: <activation>/per_token/codes
 MATMUL, MS = "MatMulIntegerToFloat", "com.microsoft"
+CODE_OFFSET = 128  # float compute's weight codes: int8 + 128 as uint8, with this zero point
 
 
 CODE_COLUMNS = 4096  # columns coded at a time: each column's codes are its own
@@ -195,57 +203,75 @@ def quantize_model(model, output_float: bool, store: WeightStore, data: External
     return model, notes
 
 
-def float_compute(model) -> int:
+def float_compute(model, store: WeightStore, data: ExternalData | None = None) -> int:
     """Make every per-token integer matmul of model (in place) compute in float32 from the same
     int8 weights: x . codes times the column scales, with no activation codes. Validate's cache
     check runs this: the codes of one token run alone and in a many-token run differ where float
     rounding moves a value across a code's edge, which would hide the cache's own behaviour.
     Returns how many matmuls changed.
 
-    The codes become float through DequantizeLinear (scale 1, zero point 0: exactly a Cast), not a
-    Cast: onnxruntime folds a Cast of a constant into a float32 copy of the weights when the
-    session loads (x4 their bytes: 5.2 GB for a session at the Llama 3.2 1B shape), and keeps
-    DequantizeLinear for the run, so the session holds the int8 codes and one matrix in float32 at
-    a time (0.2 GB after load, 2.9 GB at its peak)."""
-    from onnx import TensorProto, helper
+    Each becomes two 4-bit MatMulNBits at accuracy_level 0 (writer.write_float_halves: the codes
+    plus 128 as 8-bit ones, every block of a column at its column's scale), written to data
+    (inline when None), one matrix at a time. Widening the int8 codes per run instead
+    (DequantizeLinear + MatMul) held a float32 copy of the largest matrix during each run: a
+    random-weight Llama 3.2 1B's w8a8 validate peaked at 5.45 GB against its 4.7 GB estimate."""
+    from onnx import helper
 
     from tasks.graphs.weights import GraphIndex
 
     index = GraphIndex(model)
-    # Every DequantizeLinear reads these same scale and zero point initializers, which also keeps
-    # onnxruntime 1.32's DequantizeLinear -> MatMul fusion away: it makes a MatMulNBits at accuracy
-    # level 4 (int8 activations) of a pair whose constants no other node reads (measured on one
-    # [2048 x 4096] matrix: 0.5% off float), and that would not be float compute.
-    # test_float_compute_keeps_the_codes_int8_in_the_session checks the optimized graph.
-    one = "/per_token/float_compute/one"
-    zeros: dict[int, str] = {}  # code type -> its zero point
+    writer = GraphWriter(model, data)
+    one = writer.constant("/per_token/float_compute/one", np.array(1.0, dtype=np.float32))
     changed = 0
     for node in [n for n in model.graph.node if n.op_type == MATMUL and n.input[0].endswith(CODES)]:
         (row_scale,) = index.consumers[node.output[0]]
         x, weight, column_scale = node.input[0][: -len(CODES)], node.input[1], node.input[3]
-        code_type = index.initializers[weight].data_type
-        zero = zeros.setdefault(code_type, f"{one}/zero_point/{TensorProto.DataType.Name(code_type).lower()}")
+        k, n = store.tensor(weight).dims
+        block = float_block(k)
+        codes = _offset_codes(store.raw(weight), block)
+        blocks = codes.shape[1] // block
+        stem = f"{node.name or node.output[0]}/float_compute"
+        scales, shape = stem + "/scales", writer.constant(stem + "/scales/shape", np.array([n, blocks], np.int64))
         model.graph.node.remove(node)
         model.graph.node.extend(
-            [
-                helper.make_node(
-                    "DequantizeLinear", [weight, one, zero], [weight + "/float"], name=weight + "/DequantizeLinear"
-                ),
-                helper.make_node(
-                    "MatMul", [x, weight + "/float"], [node.output[0] + "/float"], name=node.name + "/float"
-                ),
-                helper.make_node(
-                    "Mul", [node.output[0] + "/float", column_scale], [node.output[0]], name=node.name + "/Mul"
+            [  # the column scales [N] across each column's blocks [N, blocks], folded at load
+                helper.make_node("Unsqueeze", [column_scale, writer.constant(stem + "/axes", np.array([1]))],
+                                 [stem + "/column"], name=stem + "/Unsqueeze"),
+                helper.make_node("Expand", [stem + "/column", shape], [scales], name=stem + "/Expand"),
+                *write_float_halves(
+                    writer, x, node.output[0], stem, codes, np.full((n, blocks), CODE_OFFSET, np.uint8), k, scales
                 ),
             ]
-        )
+        )  # fmt: skip
         row_scale.input[1] = one
         changed += 1
     if changed:
-        model.graph.initializer.append(helper.make_tensor(one, TensorProto.FLOAT, [], [1.0]))
-        model.graph.initializer.extend(helper.make_tensor(name, kind, [], [0]) for kind, name in zeros.items())
         from onnxruntime.transformers.onnx_model import OnnxModel
 
         prune(model)  # the activation codes nothing reads now
         OnnxModel(model).topological_sort()
     return changed
+
+
+def float_compute_bytes(model) -> int:
+    """The bytes float_compute writes for model's per-token matmuls (for a preflight, which has no
+    weights)."""
+    initializers = {t.name: t for t in model.graph.initializer}
+    shapes = [
+        initializers[n.input[1]].dims for n in model.graph.node if n.op_type == MATMUL and n.input[0].endswith(CODES)
+    ]
+    return sum(float_halves_bytes(n, k, float_block(k)) for k, n in shapes)
+
+
+def float_block(k: int) -> int:
+    """The block float_compute gives a matrix of K rows: its codes share one scale per column, so
+    the largest block MatMulNBits takes that divides K (fewest scales), else 16 with K padded."""
+    return next((block for block in (256, 128, 64, 32) if k % block == 0), 16)
+
+
+def _offset_codes(codes: np.ndarray, block: int) -> np.ndarray:
+    """int8 codes [K, N] -> uint8 codes + 128 [N, K padded to whole blocks] (a padded row adds 0)."""
+    k = codes.shape[0]
+    shifted = np.full((codes.shape[1], -(-k // block) * block), CODE_OFFSET, dtype=np.uint8)
+    shifted[:, :k] = (codes.T.astype(np.int16) + CODE_OFFSET).astype(np.uint8)
+    return shifted

@@ -39,7 +39,15 @@ from tasks.quantization.layers import (
     token_embedding,
     weight_matrix,
 )
-from tasks.quantization.writer import GraphWriter, StoredCodes, write_embedding, write_linears, write_matmul
+from tasks.quantization.writer import (
+    GraphWriter,
+    StoredCodes,
+    float_halves_bytes,
+    write_embedding,
+    write_float_halves,
+    write_linears,
+    write_matmul,
+)
 
 log = logging.getLogger(__name__)
 
@@ -150,14 +158,10 @@ def float_compute(model, store: WeightStore, data: ExternalData | None = None) -
     about as far from PyTorch), so validate compares cached decode with a full pass, and proves its
     deployment, with float compute on both sides.
 
-    Below 8 bits that is accuracy_level 0. onnxruntime (1.32) has no float kernel for 8 bits: at
-    accuracy_level 0 it widens the whole matrix to float32 on every run (65-130 ms for a
-    [2048 x 8192] matrix, one row or 64, against 3 ms for the 4-bit kernel), which made validating
-    an int8 Llama 3.2 1B take 16 minutes. So an 8-bit node becomes two 4-bit ones at
-    accuracy_level 0 over the same values, summed: with c = 16 hi + lo and z = 16 zh + zl,
-    s (c - z) = 16 s (hi - zh) + s (lo - zl), exact in float32 (16 s is s times a power of two).
-    Their codes are read from store one matrix at a time and written to data (inline when None),
-    the same bytes as the 8-bit codes."""
+    Below 8 bits that is accuracy_level 0; an 8-bit node becomes two 4-bit ones at accuracy_level
+    0 over the same values (writer.write_float_halves: onnxruntime's 8-bit float kernel widens the
+    whole matrix on every run, which made validating an int8 Llama 3.2 1B take 16 minutes), their
+    codes read from store one matrix at a time and written to data (inline when None)."""
     writer = GraphWriter(model, data)
     nodes, changed = [], 0
     for node in model.graph.node:
@@ -166,7 +170,7 @@ def float_compute(model, store: WeightStore, data: ExternalData | None = None) -
             continue
         changed += 1
         if _attribute(node, "bits") == 8:
-            nodes += _as_two_four_bit(writer, store, node)
+            nodes += _as_float_halves(writer, store, node)
             continue
         for attribute in node.attribute:
             if attribute.name == "accuracy_level":
@@ -178,31 +182,29 @@ def float_compute(model, store: WeightStore, data: ExternalData | None = None) -
 
 
 def float_compute_bytes(model) -> int:
-    """The bytes of 4-bit codes and zero points float_compute writes for model's 8-bit MatMulNBits
-    (for a preflight, which has no weights)."""
-    written = 0
-    for node in model.graph.node:
-        if node.op_type == "MatMulNBits" and _attribute(node, "bits") == 8:
-            blocks = -(-_attribute(node, "K") // _attribute(node, "block_size"))
-            written += _attribute(node, "N") * (blocks * _attribute(node, "block_size") + 2 * -(-blocks // 2))
-    return written
+    """The bytes float_compute writes for model's 8-bit MatMulNBits (for a preflight, which has no
+    weights)."""
+    return sum(
+        float_halves_bytes(_attribute(node, "N"), _attribute(node, "K"), _attribute(node, "block_size"))
+        for node in model.graph.node
+        if node.op_type == "MatMulNBits" and _attribute(node, "bits") == 8
+    )
 
 
 def _attribute(node, name: str) -> int:
     return next((a.i for a in node.attribute if a.name == name), 0)
 
 
-def _as_two_four_bit(writer: GraphWriter, store: WeightStore, node) -> list:
-    """An 8-bit MatMulNBits as two 4-bit ones at accuracy_level 0 and their sum (float_compute)."""
+def _as_float_halves(writer: GraphWriter, store: WeightStore, node) -> list:
+    """An 8-bit MatMulNBits as writer.write_float_halves' nodes, with its bias added after."""
     from onnx import helper
 
-    inputs = list(node.input) + [""] * (6 - len(node.input))
-    x, weight, scales, zero_points, g_idx, bias = inputs[:6]
+    x, weight, scales, zero_points, g_idx, bias = (list(node.input) + [""] * 6)[:6]
     if g_idx:
         raise StageError(f"{node.name}: MatMulNBits with g_idx has no float compute here; quantize writes none")
-    n, k, block = _attribute(node, "N"), _attribute(node, "K"), _attribute(node, "block_size")
+    n, k = _attribute(node, "N"), _attribute(node, "K")
     codes = store.raw(weight).reshape(n, -1)  # [N, blocks x block], K padded to whole blocks
-    blocks = codes.shape[1] // block
+    blocks = codes.shape[1] // _attribute(node, "block_size")
     if zero_points:
         zeros = store.raw(zero_points)
         if zeros.dtype != np.uint8:
@@ -211,27 +213,8 @@ def _as_two_four_bit(writer: GraphWriter, store: WeightStore, node) -> list:
     else:
         zeros = np.full((n, blocks), 128, dtype=np.uint8)  # MatMulNBits' default: 2^(bits - 1)
     stem = f"{node.name or node.output[0]}/float_compute"
-    sixteen = writer.constant(stem + "/sixteen", np.array(16.0, dtype=np.float32))
-    high_scales = stem + "/high_scales"  # folded into a float32 initializer at load
-    attrs = {"K": k, "N": n, "bits": 4, "block_size": block, "accuracy_level": 0}
-    halves = []
-    for half, part, zero in (("high", codes >> 4, zeros >> 4), ("low", codes & 15, zeros & 15)):
-        packed = writer.constant(f"{stem}/{half}/q", pack(part, 4, block))
-        zero_name = writer.constant(f"{stem}/{half}/zero_points", pack_zero_points(zero, 4))
-        scale = high_scales if half == "high" else scales
-        extra = ["", bias] if half == "high" and bias else []
-        halves.append(
-            helper.make_node(
-                "MatMulNBits",
-                [x, packed, scale, zero_name, *extra],
-                [f"{stem}/{half}"],
-                f"{stem}/{half}/MatMulNBits",
-                domain="com.microsoft",
-                **attrs,
-            )
-        )
-    return [
-        helper.make_node("Mul", [scales, sixteen], [high_scales], name=high_scales + "/Mul"),
-        *halves,
-        helper.make_node("Add", [f"{stem}/high", f"{stem}/low"], list(node.output), name=stem + "/Add"),
-    ]
+    product = stem + "/product" if bias else node.output[0]
+    nodes = write_float_halves(writer, x, product, stem, codes, zeros, k, scales)
+    if bias:
+        nodes.append(helper.make_node("Add", [product, bias], [node.output[0]], name=stem + "/bias"))
+    return nodes
