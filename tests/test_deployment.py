@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from ortforge import BatchDecoder, Decoder, TextGenerator, create_session, names
-from ortforge.decoder import Proven, proven_runs
+from ortforge.decoder import LengthDependentRope, Proven, length_dependent_rope, proven_runs
 from ortforge.manifest import validation_stamp
 from tasks import quantize, validate
 from tasks.evaluation import deployment
@@ -58,19 +58,27 @@ def test_one_scale_per_run_proves_neither_pieces_nor_rows(built, run_scaled, tmp
 
 
 def test_the_prompt_reaches_past_every_boundary_the_config_declares():
-    config = {"sliding_window": 64, "rope_scaling": {"rope_type": "longrope", "original_max_position_embeddings": 96}}
-    assert deployment.boundaries(config) == {"sliding_window": 64, "original_max_position_embeddings": 96}
-    assert deployment.boundaries({"sliding_window": None, "max_position_embeddings": 2048}) == {}
+    config = {"sliding_window": 64, "rope_scaling": {"rope_type": "longrope"}, "original_max_position_embeddings": 96}
+    rope = LengthDependentRope(96, recompute=True)
+    assert deployment.boundaries(config, rope) == {"sliding_window": 64, "rope_limit": 96}
+    assert deployment.boundaries({"sliding_window": None, "max_position_embeddings": 2048}, None) == {}
 
 
-def test_a_rope_that_scales_every_length_alike_is_no_boundary():
+def test_the_rope_boundary_is_the_limit_the_runtime_acts_on(tmp_path):
     """Llama 3's rope (like yarn and linear) gives a position the same frequencies in any run: its
     original context is no length past which anything changes (counting it made the proof run
-    prompts as long as the evaluation text, 2,038 tokens instead of 160, at the 1B shape)."""
+    prompts as long as the evaluation text, 2,038 tokens instead of 160, at the 1B shape). Dynamic
+    NTK rescales past the length the runtime reads, which the proof must pass."""
+
+    def boundaries_of(config: dict) -> dict[str, int]:
+        (tmp_path / "config.json").write_text(json.dumps(config), encoding="utf-8")
+        return deployment.boundaries(config, length_dependent_rope(tmp_path))
+
     llama3 = {"rope_type": "llama3", "factor": 32.0, "original_max_position_embeddings": 8192}
-    assert deployment.boundaries({"rope_scaling": llama3, "max_position_embeddings": 131072}) == {}
-    dynamic = {"rope_scaling": {"type": "dynamic", "factor": 2.0}, "original_max_position_embeddings": 2048}
-    assert deployment.boundaries(dynamic) == {"original_max_position_embeddings": 2048}
+    assert boundaries_of({"rope_scaling": llama3, "max_position_embeddings": 131072}) == {}
+    dynamic = {"type": "dynamic", "factor": 2.0}
+    assert boundaries_of({"rope_scaling": dynamic, "original_max_position_embeddings": 2048}) == {"rope_limit": 2048}
+    assert boundaries_of({"rope_scaling": dynamic, "max_position_embeddings": 4096}) == {"rope_limit": 4096}
 
 
 def stamped(folder, tmp_path, record: dict | None):

@@ -78,24 +78,17 @@ def _parse(label: str):
         yield key, int(value) if value.isdigit() else value
 
 
-def boundaries(config: dict) -> dict[str, int]:
-    """The lengths past which the config says attention or positions change. A rope's original
-    context is one only where the rope changes with the run's length (LongRoPE, dynamic NTK):
-    llama3, yarn and linear scaling give every position the same frequencies at any length, and
-    counting Llama 3's 8,192 made validate prove prompts as long as the evaluation text (2,048
-    tokens) instead of 160."""
-    from ortforge.decoder import LENGTH_DEPENDENT_ROPE
-
-    scaling = config.get("rope_scaling") if isinstance(config.get("rope_scaling"), dict) else {}
-    length_dependent = (scaling.get("rope_type") or scaling.get("type")) in LENGTH_DEPENDENT_ROPE
+def boundaries(config: dict, rope) -> dict[str, int]:
+    """The lengths past which attention or positions change: the config's sliding window and
+    attention chunk, and the limit of a rope whose frequencies change with the run's length (rope:
+    ortforge.decoder.length_dependent_rope, the limit the runtime acts on). llama3, yarn and linear
+    scaling give every position the same frequencies at any length (rope is None): counting Llama
+    3's original 8,192 made validate prove prompts as long as the evaluation text (2,048 tokens)
+    instead of 160."""
     found = {
         "sliding_window": config.get("sliding_window"),
         "attention_chunk_size": config.get("attention_chunk_size"),
-        "original_max_position_embeddings": (
-            scaling.get("original_max_position_embeddings") or config.get("original_max_position_embeddings")
-        )
-        if length_dependent
-        else None,
+        "rope_limit": rope.limit if rope is not None else None,
     }
     return {name: value for name, value in found.items() if isinstance(value, int) and value > 0}
 
@@ -165,7 +158,8 @@ def _prove_runs(session, rope, ids: np.ndarray, config: dict, chunks: tuple[int,
     from ortforge.batch import BatchDecoder
 
     context = _decoder(session, 0, rope).context_length or len(ids)
-    found = {name: value for name, value in boundaries(config).items() if value < context}  # past it: nothing runs
+    # Past the context nothing runs, so a boundary there is none.
+    found = {name: value for name, value in boundaries(config, rope).items() if value < context}
     furthest = max(found.values(), default=0)
     room = min(len(ids) - 1, context) - STEPS - 1  # the prompt, its steps and one more token
     length = min(room, max(SHORTEST_PROMPT, furthest + PAST_BOUNDARY))
