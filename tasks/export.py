@@ -151,10 +151,8 @@ def check_kv_names(model, num_layers: int) -> None:
 def check_attention_windows(model, arch: Architecture) -> None:
     """A fused graph's per-layer attention windows equal the config's (GroupQueryAttention's
     local_window_size); a graph of standard ops computes its masks from the traced model."""
-    from onnx import helper
-
     windows = [
-        next((helper.get_attribute_value(a) for a in node.attribute if a.name == "local_window_size"), -1)
+        onnx_io.attribute(node, "local_window_size", -1)
         for node in model.graph.node
         if node.op_type == "GroupQueryAttention"
     ]

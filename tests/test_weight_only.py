@@ -283,7 +283,7 @@ def test_linears_reading_one_input_become_one_matmul(built):
 def matmul_attributes(model) -> list[tuple[int, int]]:
     """(bits, accuracy_level) of each MatMulNBits."""
     return [
-        (weight_only._attribute(n, "bits"), weight_only._attribute(n, "accuracy_level"))
+        (onnx_io.attribute(n, "bits", 4), onnx_io.attribute(n, "accuracy_level", 0))
         for n in model.graph.node
         if n.op_type == "MatMulNBits"
     ]

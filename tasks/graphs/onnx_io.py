@@ -95,6 +95,19 @@ def load(folder: Path, with_weights: bool = True):
     return model
 
 
+def attributes(node) -> dict:
+    """A node's attributes by name, as Python values (onnx.helper's reading)."""
+    from onnx import helper
+
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def attribute(node, name: str, default=None):
+    """One attribute of a node, or default when the node does not set it (pass the op's own
+    default where the spec gives one)."""
+    return attributes(node).get(name, default)
+
+
 def op_counts(model) -> dict[str, int]:
     """How many nodes of each op type the graph holds (sorted by op name, for stable JSON)."""
     return dict(sorted(Counter(node.op_type for node in model.graph.node).items()))

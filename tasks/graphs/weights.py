@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from tasks.core.errors import StageError
+from tasks.graphs.onnx_io import attribute
 from tasks.sources.checkpoint import as_float32
 
 # ONNX data types -> numpy storage; bfloat16 (16) as its bit pattern.
@@ -63,21 +64,15 @@ class GraphIndex:
             node = self.producers.get(name)
             if node is None or node.op_type not in CHAIN_OPS or len(node.input) != 1:
                 return None
-            if node.op_type == "Cast" and _attribute(node, "to") != 1:
+            if node.op_type == "Cast" and attribute(node, "to") != 1:
                 return None
             if node.op_type == "Transpose":
-                if list(_attribute(node, "perm") or [1, 0]) != [1, 0] or transposed:
+                if list(attribute(node, "perm") or [1, 0]) != [1, 0] or transposed:
                     return None
                 transposed = True
             nodes.append(node)
             name = node.input[0]
         return Chain(name, nodes[0].output[0] if nodes else name, transposed, tuple(reversed(nodes)))
-
-
-def _attribute(node, name: str):
-    from onnx import helper
-
-    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), None)
 
 
 class WeightStore:

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from ortforge import names
-from tasks.graphs.onnx_io import TOWARD_LOGITS
+from tasks.graphs.onnx_io import TOWARD_LOGITS, attribute
 from tasks.quantization.configs import QuantizeConfig, kept_float_patterns
 
 LAYER_INDEX = re.compile(r"/layers\.(\d+)/|/h\.(\d+)/")  # LLaMA-style and GPT-2 node names
@@ -77,12 +77,6 @@ def stacked_parts(producers: dict, name: str, leaf) -> list:
         return []
     inputs = node.input if node.op_type == "Concat" else node.input[:1]
     return [part for value in inputs for part in stacked_parts(producers, value, leaf)]
-
-
-def _attribute(node, name: str):
-    from onnx import helper
-
-    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), None)
 
 
 class _Graph:
@@ -150,7 +144,7 @@ def weights(model) -> list[Weight]:
 def _experts(graph: _Graph, node) -> Weight:
     """All the experts' matrices of one MoE layer (float stacked, or QMoE's codes)."""
     if node.op_type == QUANTIZED_EXPERTS_OP:
-        bits = _attribute(node, "expert_weight_bits")
+        bits = attribute(node, "expert_weight_bits")
         codes = [graph.initializers[node.input[i]] for i in EXPERT_WEIGHTS[node.op_type][::2]]
         parameters = sum(int(np.prod(tensor.dims)) * 8 // bits for tensor in codes)
         size, shared = graph.store([node.input[i] for i in EXPERT_WEIGHTS[node.op_type]])
@@ -173,10 +167,10 @@ def _matrix(graph: _Graph, node) -> Weight | None:
     if op == "MatMulNBits":
         size, shared = graph.store(node.input[1:4])
         role = "output" if graph.feeds_logits(node.output[0]) else "linear"
-        parameters = _attribute(node, "K") * _attribute(node, "N")
-        return Weight(node.name, op, role, _attribute(node, "bits"), parameters, size, layer, shared)
+        parameters = attribute(node, "K") * attribute(node, "N")
+        return Weight(node.name, op, role, attribute(node, "bits"), parameters, size, layer, shared)
     if op == "GatherBlockQuantized":
-        bits = _attribute(node, "bits")
+        bits = attribute(node, "bits")
         codes = graph.source(node.input[0])[0]
         size, shared = graph.store([node.input[0], *node.input[2:]])
         return Weight(node.name, op, "embedding", bits, int(np.prod(codes.dims)) * 8 // bits, size, layer, shared)

@@ -30,6 +30,7 @@ import numpy as np
 from onnx import helper
 
 from tasks.core.errors import StageError
+from tasks.graphs import onnx_io
 from tasks.graphs.weights import Chain, GraphIndex, WeightStore
 from tasks.quantization.codes import MIN_BLOCK, layer_block, pack, round_to_nearest
 from tasks.quantization.configs import QuantizeConfig
@@ -111,7 +112,7 @@ def _write(writer: GraphWriter, layer: ExpertLayer, store: WeightStore, bits: in
         writer.constant(f"{stem}/fc2/q", fc2_codes),
         writer.half_constant(f"{stem}/fc2/scales", fc2_scales),
     ]
-    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    attrs = onnx_io.attributes(node)
     attrs |= {"expert_weight_bits": bits, "block_size": block, "accuracy_level": FLOAT_ACTIVATIONS}
     quantized = helper.make_node(
         QUANTIZED_EXPERTS_OP, inputs, list(node.output), f"{stem}/Q{bits}", domain="com.microsoft", **attrs

@@ -91,10 +91,7 @@ def scale(channel_range: np.ndarray, bits: int) -> np.ndarray:
 
 
 def _rotary_interleaved(node) -> bool:
-    import onnx
-
-    attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-    return bool(attributes.get("do_rotary", 0) and attributes.get("rotary_interleaved", 0))
+    return bool(onnx_io.attribute(node, "do_rotary", 0) and onnx_io.attribute(node, "rotary_interleaved", 0))
 
 
 def quantize(graph, weights_dir: Path, calib, context: int, head_dim: int, bits: int, headroom: float) -> None:
@@ -163,9 +160,8 @@ def stored_bits(graph) -> int:
     import onnx
 
     for node in attention_nodes(graph):
-        attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        kind = attributes.get("k_quant_type", b"NONE")
+        kind = onnx_io.attribute(node, "k_quant_type", b"NONE")
         if (kind.decode() if isinstance(kind, bytes) else kind) != "NONE":
-            return int(attributes.get("kv_cache_bit_width", 8))
+            return int(onnx_io.attribute(node, "kv_cache_bit_width", 8))
     past = next(i for i in graph.graph.input if i.name.startswith("past_key_values."))
     return 16 if past.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16 else 32

@@ -34,9 +34,7 @@ class Linear:
 
 def _gemm_as_linear(node) -> tuple[bool, bool]:
     """(can be a MatMulNBits, transB) for a Gemm: only y = x.B (+ C) with alpha = beta = 1."""
-    from onnx import helper
-
-    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    attrs = onnx_io.attributes(node)
     plain = attrs.get("alpha", 1.0) == 1.0 and attrs.get("beta", 1.0) == 1.0 and not attrs.get("transA", 0)
     return plain, bool(attrs.get("transB", 0))
 

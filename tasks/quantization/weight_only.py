@@ -25,6 +25,7 @@ import logging
 import numpy as np
 
 from tasks.core.errors import StageError
+from tasks.graphs.onnx_io import attribute
 from tasks.graphs.weights import ExternalData, WeightStore, prune
 from tasks.quantization.codes import MIN_BLOCK, layer_block, pack, pack_zero_points, quantize_codes, round_to_nearest
 from tasks.quantization.configs import QuantizeConfig
@@ -165,16 +166,17 @@ def float_compute(model, store: WeightStore, data: ExternalData | None = None) -
     writer = GraphWriter(model, data)
     nodes, changed = [], 0
     for node in model.graph.node:
-        if node.op_type != "MatMulNBits" or (_attribute(node, "accuracy_level") == 0 and _attribute(node, "bits") != 8):
+        bits = attribute(node, "bits", 4)
+        if node.op_type != "MatMulNBits" or (attribute(node, "accuracy_level", 0) == 0 and bits != 8):
             nodes.append(node)
             continue
         changed += 1
-        if _attribute(node, "bits") == 8:
+        if bits == 8:
             nodes += _as_float_halves(writer, store, node)
             continue
-        for attribute in node.attribute:
-            if attribute.name == "accuracy_level":
-                attribute.i = 0
+        for setting in node.attribute:
+            if setting.name == "accuracy_level":
+                setting.i = 0
         nodes.append(node)
     del model.graph.node[:]
     model.graph.node.extend(nodes)
@@ -185,14 +187,10 @@ def float_compute_bytes(model) -> int:
     """The bytes float_compute writes for model's 8-bit MatMulNBits (for a preflight, which has no
     weights)."""
     return sum(
-        float_halves_bytes(_attribute(node, "N"), _attribute(node, "K"), _attribute(node, "block_size"))
+        float_halves_bytes(attribute(node, "N"), attribute(node, "K"), attribute(node, "block_size"))
         for node in model.graph.node
-        if node.op_type == "MatMulNBits" and _attribute(node, "bits") == 8
+        if node.op_type == "MatMulNBits" and attribute(node, "bits", 4) == 8
     )
-
-
-def _attribute(node, name: str) -> int:
-    return next((a.i for a in node.attribute if a.name == name), 0)
 
 
 def _as_float_halves(writer: GraphWriter, store: WeightStore, node) -> list:
@@ -202,9 +200,9 @@ def _as_float_halves(writer: GraphWriter, store: WeightStore, node) -> list:
     x, weight, scales, zero_points, g_idx, bias = (list(node.input) + [""] * 6)[:6]
     if g_idx:
         raise StageError(f"{node.name}: MatMulNBits with g_idx has no float compute here; quantize writes none")
-    n, k = _attribute(node, "N"), _attribute(node, "K")
+    n, k = attribute(node, "N"), attribute(node, "K")
     codes = store.raw(weight).reshape(n, -1)  # [N, blocks x block], K padded to whole blocks
-    blocks = codes.shape[1] // _attribute(node, "block_size")
+    blocks = codes.shape[1] // attribute(node, "block_size")
     if zero_points:
         zeros = store.raw(zero_points)
         if zeros.dtype != np.uint8:
