@@ -171,16 +171,20 @@ def cache_check_decoders(variant_dir: Path, scratch: Path) -> tuple:
 
     weights = scratch / "weights"  # the variant's files, linked, and the codes float compute writes
     weights.mkdir()
+    graph = structure(variant_dir)
+    variant_files = external_files(graph)
 
     def decoder_over(graph, name: str) -> Decoder:
+        # Linked only where a rewritten graph needs them: a second name for the variant's data
+        # makes onnx.load refuse the file while the scratch folder lives.
+        for file in variant_files:
+            if not (weights / file).exists():
+                link_or_copy(variant_dir / file, weights / file)
         folder = scratch / name
         folder.mkdir()
         onnx_io.save_runnable(graph, weights, folder)
         return Decoder(create_session(folder))
 
-    graph = structure(variant_dir)
-    for file in external_files(graph):
-        link_or_copy(variant_dir / file, weights / file)
     written = ExternalData(weights, FLOAT_COMPUTE_DATA)
     store = WeightStore(graph, variant_dir)
     exact = weight_only.float_compute(graph, store, written) + per_token.float_compute(graph, store, written) > 0
