@@ -39,6 +39,7 @@ COMMANDS = {
     "kernels.json": "python benchmarks/kernels.py",
     "load_peers.json": "python benchmarks/load_peers.py",
     "load_peers-gemma3-270m.json": "python benchmarks/load_peers.py --model gemma3-270m",
+    "execution_providers.json": "python benchmarks/execution_providers.py",
 }
 
 

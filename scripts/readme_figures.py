@@ -25,6 +25,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks import (  # noqa: E402
     continuations,
+    execution_providers,
     kernels,
     load_peers,
     moe_decode,
@@ -330,6 +331,20 @@ def kv_cache() -> str:
     return "\n".join(lines)
 
 
+def execution_providers_summary() -> str:
+    report = _json(RESULTS / "execution_providers.json")
+    version = report["provenance"]["peers"]["onnxruntime-ep-openvino"]
+    return "\n".join(
+        [
+            f"{report['model']}, a {report['prompt_tokens']}-token prompt then {report['new_tokens']} greedy tokens, "
+            f"batch 1, {report['cpus']} cores, onnxruntime-ep-openvino {version}, each configuration in a fresh "
+            f"process, medians of {report['rounds']} interleaved rounds; logits and greedy tokens against the CPU EP:",
+            "",
+            execution_providers.table(report),
+        ]
+    )
+
+
 def step_profile_summary() -> str:
     report = _json(RESULTS / "step_profile.json")
     return "\n".join(
@@ -442,6 +457,7 @@ RENDERERS = {
     "tuned-settings": tuned_settings,
     "continuations-gemma3-270m": lambda: continuations.table(_json(RESULTS / "continuations-gemma3-270m.json")),
     "step-profile": step_profile_summary,
+    "execution-providers": execution_providers_summary,
     "server-soak": server_soak,
     "structured": structured,
     "kernels": kernel_rows,

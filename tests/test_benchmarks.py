@@ -218,3 +218,36 @@ def test_the_scheduler_replay_runs_the_real_scheduler_and_puts_the_model_back():
     assert found["requests"] == 6 and found["aggregate_tokens_per_second"] > 0
     assert found["seconds_to_first_token_p50"] <= found["seconds_to_first_token_p95"]
     assert scheduler.BatchDecoder.__module__ == "ortforge.batch"  # the real decoder is back
+
+
+def test_execution_providers_count_where_nodes_ran_and_how_far_the_logits_moved():
+    """The execution-provider benchmark's arithmetic on a profiler trace and two runs (the plugin
+    itself is a benchmark peer the tests never need)."""
+    from benchmarks import execution_providers as eps
+
+    def node(name: str, provider: str, op: str) -> dict:
+        return {"cat": "Node", "name": f"{name}_kernel_time", "args": {"provider": provider, "op_name": op}}
+
+    events = [node("ov_0", eps.OPENVINO, "OpenVINO-EP-subgraph_1"), node("gqa_0", "CPUExecutionProvider", "GQA")]
+    events += [node("ov_1", eps.OPENVINO, "OpenVINO-EP-subgraph_2"), {"cat": "Session", "name": "model_run"}]
+    events.append(node("gqa_0", "CPUExecutionProvider", "GQA"))  # the same node in a second run
+    placement = eps.node_placement(events)
+    assert placement == {"nodes": {eps.OPENVINO: 2, "CPUExecutionProvider": 1}, "cpu_op_types": {"GQA": 1}}
+
+    def run(logits: list[float], tokens: list[int], prefill: float) -> dict:
+        timings = {"load_seconds": 1.0, "prefill_ms": [prefill] * 3, "step_ms": [5.0, 6.0, 7.0]}
+        return {
+            "plugin_version": "1",
+            "placement": placement,
+            "first_logits": logits,
+            "greedy_tokens": tokens,
+        } | timings
+
+    cpu = [run([0.0, 2.0, 10.0], [1, 2, 3, 4], 100.0)]
+    other = eps.summarize([run([0.5, 2.0, 9.0], [1, 2, 9, 4], 50.0), run([0.5, 2.0, 9.0], [1, 2, 9, 4], 70.0)], cpu)
+    assert other["largest_logit_change"] == 1.0 and other["logit_range"] == 10.0
+    assert other["greedy_tokens_equal"] == 2 and other["prefill_ms_p50"] == 60.0 and other["step_ms_p50"] == 6.0
+    assert eps.summarize(cpu + cpu, cpu)["greedy_tokens_equal"] == 4  # all equal: every token
+    report = {"new_tokens": 4, "variants": {"int4": {eps.CPU: eps.summarize(cpu, None), "OpenVINO EP (f32)": other}}}
+    row = eps.table(report).splitlines()[-1]
+    assert "| 2 / 1 | GQA 1 | 60.0 | x0.60 |" in row and "| 1 (10.0) | 2/4 |" in row
