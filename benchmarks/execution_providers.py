@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -69,12 +70,14 @@ def run_config(folder: str, plugin: str, properties: dict | None, prompt: list[i
         ort.register_execution_provider_library(OPENVINO, plugin)
         version = next(d.ep_metadata.get("version") for d in ort.get_ep_devices() if d.ep_name == OPENVINO)
 
+    scratch = Path(tempfile.mkdtemp(prefix="ortforge-ep-"))  # OpenVINO's config file and the profile
+
     def session(profile_prefix: str | None = None):
         options = settings.session_options()
         if properties is not None:
             provider_options = {}
             if properties:  # OpenVINO reads its device properties from a JSON file
-                config = Path(tempfile.mkdtemp(prefix="ortforge-ov-")) / "config.json"
+                config = scratch / "config.json"
                 config.write_text(json.dumps({"CPU": properties}), encoding="utf-8")
                 provider_options["load_config"] = str(config)
             devices = [d for d in ort.get_ep_devices() if d.ep_name == OPENVINO]
@@ -83,8 +86,7 @@ def run_config(folder: str, plugin: str, properties: dict | None, prompt: list[i
             options.enable_profiling, options.profile_file_prefix = True, profile_prefix
         return ort.InferenceSession(str(Path(folder) / MODEL_FILE), options)
 
-    scratch = tempfile.mkdtemp(prefix="ortforge-ep-profile-")
-    profiled = Decoder(session(os.path.join(scratch, "ort")))
+    profiled = Decoder(session(str(scratch / "ort")))
     profiled.forward(prompt, profiled.empty_cache(), last_only=True)
     placement = node_placement(json.loads(Path(profiled.session.end_profiling()).read_text(encoding="utf-8")))
     del profiled
@@ -103,6 +105,7 @@ def run_config(folder: str, plugin: str, properties: dict | None, prompt: list[i
         logits, cache = decoder.forward([tokens[-1]], cache, last_only=True)
         steps.append(time.perf_counter() - start)
         tokens.append(int(logits.argmax()))
+    shutil.rmtree(scratch)
     return {
         "plugin_version": version,
         "placement": placement,
