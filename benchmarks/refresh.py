@@ -40,6 +40,8 @@ COMMANDS = {
     "load_peers.json": "python benchmarks/load_peers.py",
     "load_peers-gemma3-270m.json": "python benchmarks/load_peers.py --model gemma3-270m",
     "execution_providers.json": "python benchmarks/execution_providers.py",
+    "prefill_pieces.json": "python benchmarks/prefill_pieces.py",
+    "prefill_pieces-gemma3-270m.json": "python benchmarks/prefill_pieces.py --model gemma3-270m",
 }
 
 

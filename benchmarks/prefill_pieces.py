@@ -1,0 +1,157 @@
+"""Whether a long prompt prefills faster whole or in pieces: per variant, batch-1 time to the first
+token of prompts of 256 to 4,096 tokens, run whole and in pieces of 128, 256 and 512 tokens; and
+the peak RSS of the longest prompt, whole and in pieces of 256.
+
+Why pieces can be faster although they compute the same thing: onnxruntime's CPU
+GroupQueryAttention scores every query of a run against every key the run sees, the masked half
+included, so a run of N tokens costs N x N scores where pieces of P cost about N x N / 2 + N x P / 2,
+and the scores of one run (heads x N x N floats per layer) grow with the square of the prompt.
+
+Each variant runs in its own process with its tuned session settings (its runtime.json), every
+length and piece size once per round, interleaved, after a warm-up round; the timing loop is the
+one every engine is timed with (tasks.measurement.timing.timed_generation). Peak RSS comes from a
+fresh process per configuration. Only variants validate proved pieces for are measured in pieces.
+
+    python benchmarks/prefill_pieces.py [--model smollm2-135m] [--variants fp32,int4,int8,w8a8]
+        [--lengths 256,1024,2048,4096] [--pieces 128,256,512] [--rounds 2]
+
+Writes benchmarks/results/prefill_pieces.json (prefill_pieces-<model>.json for another model) and
+prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks import provenance  # noqa: E402
+from tasks.bench import prompt_ids  # noqa: E402
+from tasks.core import paths  # noqa: E402
+from tasks.core.files import atomic_write_json  # noqa: E402
+from tasks.measurement.timing import in_fresh_process  # noqa: E402
+
+RESULTS = REPO / "benchmarks" / "results"
+TEXT = REPO / "data" / "eval" / "GPL-3.txt"
+WHOLE = 0  # a piece size of 0: the prompt in one run
+MEMORY_PIECE = 256  # the piece size whose peak RSS is set beside the whole prompt's
+
+
+def first_tokens(folder: str, ids: list[int], lengths: list[int], pieces: list[int], rounds: int) -> dict:
+    """Seconds to the first token per length and piece size (a list, one per round), in this process."""
+    from ortforge.decoder import Decoder
+    from tasks.measurement.timing import timed_generation
+
+    decoder = Decoder.for_artifact(folder)
+    tuned, proven = decoder.prefill_chunk, decoder.runs_like_any(max(lengths))
+    sizes = [WHOLE, *pieces] if proven else [WHOLE]
+    found = {str(n): {str(p): [] for p in sizes} for n in lengths}
+    for round_ in range(rounds + 1):  # round 0 warms every shape up
+        for n in lengths:
+            for piece in sizes:
+                decoder.prefill_chunk = piece
+                first, _ = timed_generation(decoder, ids[:n], 1)
+                if round_:
+                    found[str(n)][str(piece)].append(first)
+    return {"pieces_proven": proven, "tuned_prefill_chunk": tuned, "seconds": found}
+
+
+def peak_memory(folder: str, ids: list[int], piece: int) -> dict:
+    """Resident MB once the session is loaded, and this process's peak after one prefill of ids."""
+    from ortforge.decoder import Decoder
+    from tasks.measurement.timing import peak_rss_mb
+
+    decoder = Decoder.for_artifact(folder)
+    loaded = peak_rss_mb()
+    decoder.prefill_chunk = piece
+    decoder.forward(ids, decoder.empty_cache(), last_only=True)
+    return {"loaded_mb": loaded, "peak_mb": peak_rss_mb()}
+
+
+def table(report: dict) -> str:
+    pieces = report["pieces"]
+    head = "| variant | prompt tokens | whole, ms | " + " | ".join(f"pieces of {p}, ms" for p in pieces)
+    lines = [head + " | best against whole |", "|---|---|---|" + "---|" * (len(pieces) + 1)]
+    for variant, found in report["variants"].items():
+        for n, by_piece in found["first_token_ms"].items():
+            whole = by_piece[str(WHOLE)]
+            cells = " | ".join(f"{by_piece[str(p)]:,.0f}" if str(p) in by_piece else "-" for p in pieces)
+            best = min(by_piece.values())
+            lines.append(f"| {variant} | {int(n):,} | {whole:,.0f} | {cells} | x{best / whole:.2f} |")
+    return "\n".join(lines)
+
+
+def memory_lines(report: dict) -> list[str]:
+    longest = max(report["lengths"])
+    lines = []
+    for variant, found in report["variants"].items():
+        memory = found.get("memory")
+        if memory:
+            whole, pieced = memory[str(WHOLE)], memory[str(MEMORY_PIECE)]
+            lines.append(
+                f"{variant}, {longest:,}-token prompt: peak RSS {whole['peak_mb']:,.0f} MB whole, "
+                f"{pieced['peak_mb']:,.0f} MB in pieces of {MEMORY_PIECE} "
+                f"(session loaded: {whole['loaded_mb']:,.0f} MB)"
+            )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--variants", default="fp32,int4,int8,w8a8")
+    parser.add_argument("--lengths", default="256,1024,2048,4096")
+    parser.add_argument("--pieces", default="128,256,512")
+    parser.add_argument("--rounds", type=int, default=2, help="every length and piece size once per round")
+    args = parser.parse_args(argv)
+    variants = args.variants.split(",")
+    lengths = sorted(int(n) for n in args.lengths.split(","))
+    pieces = sorted(int(p) for p in args.pieces.split(","))
+    if min(lengths) < 1 or min(pieces) < 1 or args.rounds < 1:
+        raise SystemExit("error: --lengths, --pieces and --rounds must be positive")
+    if MEMORY_PIECE not in pieces:
+        raise SystemExit(f"error: --pieces must include {MEMORY_PIECE} (the memory comparison's piece size)")
+    os.chdir(REPO)
+    measured = provenance.model_outputs(args.model, variants)
+    provenance.require_current(measured)
+    ids = prompt_ids(paths.hf_dir(args.model), TEXT, max(lengths))
+    from benchmarks import prefill_pieces as here  # a fresh process imports this module by name
+
+    report = {
+        "provenance": provenance.record(provenance.command("prefill_pieces.py", argv), measured),
+        "model": args.model,
+        "cpus": os.cpu_count(),
+        "text": TEXT.relative_to(REPO).as_posix(),
+        "rounds": args.rounds,
+        "lengths": lengths,
+        "pieces": pieces,
+        "variants": {},
+    }
+    for variant in variants:
+        folder = str(paths.variant_dir(args.model, variant))
+        print(f"{variant}: first token at {lengths} tokens, whole and in pieces of {pieces}", flush=True)
+        found = in_fresh_process(here.first_tokens, folder, ids, lengths, pieces, args.rounds)
+        medians = {n: {p: float(np.median(s) * 1e3) for p, s in by.items()} for n, by in found["seconds"].items()}
+        report["variants"][variant] = {**found, "first_token_ms": medians}
+        if found["pieces_proven"]:
+            print(f"{variant}: peak RSS at {max(lengths)} tokens", flush=True)
+            report["variants"][variant]["memory"] = {
+                str(p): in_fresh_process(here.peak_memory, folder, ids, p) for p in (WHOLE, MEMORY_PIECE)
+            }
+        print(table({**report, "variants": {variant: report["variants"][variant]}}), flush=True)
+    name = "prefill_pieces.json" if args.model == "smollm2-135m" else f"prefill_pieces-{args.model}.json"
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(RESULTS / name, report)
+    print(table(report), *memory_lines(report), sep="\n")
+    print(f"wrote {RESULTS / name}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
