@@ -11,6 +11,9 @@ Each variant runs in its own process with its tuned session settings (its runtim
 length and piece size once per round, interleaved, after a warm-up round; the timing loop is the
 one every engine is timed with (tasks.measurement.timing.timed_generation). Peak RSS comes from a
 fresh process per configuration. Only variants validate proved pieces for are measured in pieces.
+Beside them, where its venv is installed (benchmarks/peers/setup_openvino.sh), OpenVINO GenAI's
+first token for the same token ids, its int4 and int8 exports of the same HF folder at its CPU
+defaults, each length in its own process after a warm-up.
 
     python benchmarks/prefill_pieces.py [--model smollm2-135m] [--variants fp32,int4,int8,w8a8]
         [--lengths 256,1024,2048,4096] [--pieces 128,256,512] [--rounds 2]
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +36,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks import provenance  # noqa: E402
+from benchmarks.load_peers import PEER_FORMATS  # noqa: E402
+from benchmarks.peers import openvino_peer  # noqa: E402
+from benchmarks.side_by_side import CACHE  # noqa: E402
 from tasks.bench import prompt_ids  # noqa: E402
 from tasks.core import paths  # noqa: E402
 from tasks.core.files import atomic_write_json  # noqa: E402
@@ -72,6 +79,37 @@ def peak_memory(folder: str, ids: list[int], piece: int) -> dict:
     decoder.prefill_chunk = piece
     decoder.forward(ids, decoder.empty_cache(), last_only=True)
     return {"loaded_mb": loaded, "peak_mb": peak_rss_mb()}
+
+
+def openvino_first_tokens(model: str, ids: list[int], lengths: list[int], rounds: int) -> dict:
+    """OpenVINO GenAI's batch-1 first-token ms per length (median of rounds after a warm-up), per
+    export of the model's HF folder, at its CPU defaults."""
+    found = {}
+    options = ["--new-tokens", "2", "--warmup", "1", "--repeats", str(rounds), "--precision", "default"]
+    with tempfile.TemporaryDirectory(prefix="ortforge-prefill-") as scratch:
+        for weights in PEER_FORMATS:
+            built = openvino_peer.build(
+                openvino_peer.PYTHON, paths.hf_dir(model), CACHE / model / f"openvino-{weights}", weights
+            )
+            name = f"OpenVINO GenAI {openvino_peer.recipe(weights)} (CPU defaults)"
+            print(f"{name}: first token at {lengths} tokens", flush=True)
+            found[name] = {}
+            for n in lengths:
+                runs = openvino_peer.run(openvino_peer.PYTHON, built, "generate", ids[:n], Path(scratch), options)
+                found[name][str(n)] = float(np.median(runs["first_token_s"]) * 1e3)
+    return found
+
+
+def peer_table(report: dict) -> str:
+    """First token ms per length: every ortforge variant in pieces of MEMORY_PIECE, then each peer."""
+    ours = {v: f["first_token_ms"] for v, f in report["variants"].items() if f["pieces_proven"]}
+    peers = report.get("peers", {})
+    head = " | ".join([*(f"ortforge {v}, pieces of {MEMORY_PIECE}" for v in ours), *peers])
+    lines = [f"| prompt tokens | {head} |", "|---|" + "---|" * (len(ours) + len(peers))]
+    for n in map(str, report["lengths"]):
+        cells = [f"{by[n][str(MEMORY_PIECE)]:,.0f}" for by in ours.values()] + [f"{p[n]:,.0f}" for p in peers.values()]
+        lines.append(f"| {int(n):,} | {' | '.join(cells)} |")
+    return "\n".join(lines)
 
 
 def table(report: dict) -> str:
@@ -145,10 +183,15 @@ def main(argv: list[str] | None = None) -> int:
                 str(p): in_fresh_process(here.peak_memory, folder, ids, p) for p in (WHOLE, MEMORY_PIECE)
             }
         print(table({**report, "variants": {variant: report["variants"][variant]}}), flush=True)
+    if openvino_peer.installed():
+        report["peers"] = openvino_first_tokens(args.model, ids, lengths, args.rounds)
+        report["provenance"]["peers"] = {"openvino-genai": openvino_peer.version(openvino_peer.PYTHON)}
+    else:
+        print(f"OpenVINO GenAI not installed ({openvino_peer.SETUP} installs it): ortforge alone", flush=True)
     name = "prefill_pieces.json" if args.model == "smollm2-135m" else f"prefill_pieces-{args.model}.json"
     RESULTS.mkdir(parents=True, exist_ok=True)
     atomic_write_json(RESULTS / name, report)
-    print(table(report), *memory_lines(report), sep="\n")
+    print(table(report), peer_table(report), *memory_lines(report), sep="\n\n")
     print(f"wrote {RESULTS / name}")
     return 0
 
