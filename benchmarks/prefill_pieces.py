@@ -140,6 +140,21 @@ def memory_lines(report: dict) -> list[str]:
     return lines
 
 
+def summary(report: dict) -> str:
+    """What the README shows: how it was measured, the piece table, the peers beside, memory."""
+    peers = report["provenance"]["peers"]
+    beside = f"; OpenVINO GenAI {peers['openvino-genai']} at its CPU defaults on the same token ids" if peers else ""
+    head = (
+        f"{report['model']}, batch-1 time to the first token (prefill and its argmax) of the first N tokens of "
+        f"{report['text']}, {report['cpus']} cores, each variant with its tuned settings in its own process, "
+        f"medians of {report['rounds']} interleaved rounds after a warm-up round{beside}:"
+    )
+    parts = [head, table(report)]
+    if report.get("peers"):
+        parts.append(peer_table(report))
+    return "\n\n".join([*parts, "\n".join(f"- {line}" for line in memory_lines(report))])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -191,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     name = "prefill_pieces.json" if args.model == "smollm2-135m" else f"prefill_pieces-{args.model}.json"
     RESULTS.mkdir(parents=True, exist_ok=True)
     atomic_write_json(RESULTS / name, report)
-    print(table(report), peer_table(report), *memory_lines(report), sep="\n\n")
+    print(summary(report))
     print(f"wrote {RESULTS / name}")
     return 0
 
