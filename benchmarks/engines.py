@@ -114,7 +114,7 @@ def _generate_with_lookup(decoder, prompt: list[int], new_tokens: int, draft_tok
 
 
 def _decoder(spec: dict):
-    from ortforge import Decoder, SessionSettings, create_session
+    from ortforge import SessionSettings
 
     kind, path = spec["kind"], Path(spec["path"])
     if kind == "torch-kv":
@@ -126,7 +126,12 @@ def _decoder(spec: dict):
     settings = SessionSettings.for_artifact(path) if spec.get("tuned") else SessionSettings()
     if kind == "ort-plain":
         return PlainDecoder(path, settings)
-    return Decoder(create_session(path, settings))
+    from ortforge.generate import TextGenerator
+
+    decoder = TextGenerator(path, settings).decoder  # the runtime's: its prompt pieces, the runs validate proved
+    if spec.get("whole_prompt"):
+        decoder.prefill_chunk = 0
+    return decoder
 
 
 def _generate(decoder, prompt: list[int], new_tokens: int, sample_steps: int | None):

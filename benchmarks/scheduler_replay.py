@@ -27,6 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from ortforge import scheduler  # noqa: E402
+from ortforge.generate import LONG_PROMPT_PIECE  # noqa: E402
 from tasks.measurement.concurrency import request, request_figures, run_streams  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
@@ -96,7 +97,7 @@ class StandInBatch:
 
 
 class StandInGenerator:
-    session, prefill_chunk, rope, stop_ids = None, 0, None, frozenset()
+    session, prefill_chunk, rope, stop_ids = None, LONG_PROMPT_PIECE, None, frozenset()  # as TextGenerator's
 
     class decoder:  # noqa: N801 - the attribute Scheduler reads
         kv_bytes_per_token, context_length = 1, 4096

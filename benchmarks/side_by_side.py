@@ -37,6 +37,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks import engines, provenance  # noqa: E402
 from benchmarks.peers import openvino_peer  # noqa: E402
+from ortforge.generate import LONG_PROMPT_PIECE  # noqa: E402
 from tasks.bench import prompt_ids  # noqa: E402
 from tasks.core import paths  # noqa: E402
 from tasks.core.files import atomic_write_json, folder_bytes  # noqa: E402
@@ -215,7 +216,8 @@ def chain_engines(model: str) -> dict[str, dict]:
         },
         "+ int4 quantization": {"kind": "ort-plain", "path": int4},
         "+ tuned session settings": {"kind": "ort-plain", "path": int4, "tuned": True},
-        "+ I/O binding, in-place KV cache": {"kind": "ort", "path": int4, "tuned": True},
+        "+ I/O binding, in-place KV cache": {"kind": "ort", "path": int4, "tuned": True, "whole_prompt": True},
+        f"+ prompt in pieces of {LONG_PROMPT_PIECE}": {"kind": "ort", "path": int4, "tuned": True},
     }
 
 

@@ -22,6 +22,12 @@ from ortforge.sampling import Sampling, sampled_tokens
 from ortforge.session import SessionSettings, create_session
 
 GREEDY = Sampling()
+# The most prompt tokens one run prefills where the artifact's measured prefill_chunk is 0 (whole:
+# tuning measures a short prompt). onnxruntime's CPU GroupQueryAttention scores every query of a
+# run against every key the run sees, the masked half too, so a prompt of N tokens in one run
+# costs N x N scores (and holds them), where pieces of P cost about N x N / 2 + N x P / 2
+# (benchmarks/prefill_pieces.py). Pieces are taken only where validate proved them.
+LONG_PROMPT_PIECE = 256
 
 
 class IncrementalDetokenizer:
@@ -80,7 +86,7 @@ class TextGenerator:
         added = self.tokenizer.get_added_tokens_decoder().values()
         self._specials = [token.content for token in added if token.special]
         self.stop_ids = _eos_ids(model_dir / GENERATION_CONFIG_FILE)
-        self.prefill_chunk = self.settings.prefill_chunk
+        self.prefill_chunk = self.settings.prefill_chunk or LONG_PROMPT_PIECE  # tokens per prefill run, at most
         self.rope = length_dependent_rope(model_dir)  # past its limit, prompts run whole (ortforge.decoder)
         self.proven = proven_runs(model_dir)  # what validate proved: pieces, batched rows
         self._per_thread = threading.local()

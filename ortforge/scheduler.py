@@ -54,7 +54,6 @@ PREFILL_SHARE = 1.5
 # steps alone gave 223 tokens/s and first tokens at p95 949 ms; finishing within 8 steps, 296
 # and 557 ms).
 FINISH_SHARE = 8.0
-PIECE_TOKENS = 256  # a prompt's piece when the artifact's measured prefill_chunk is 0 (whole)
 MIN_SLOT_TOKENS = 256  # the budget must give every slot at least this much room
 DEFAULT_MEMORY_SHARE = 0.25  # of the machine's memory, the most the default budget takes
 log = logging.getLogger(__name__)
@@ -181,6 +180,8 @@ class Scheduler:
                 f"queue_size {queue_size}, prefix_cache_mb {prefix_cache_mb} and finish_share {finish_share} "
                 f"must be >= 0, prefill_share {prefill_share} above 0"
             )
+        if generator.prefill_chunk < 1:  # a piece of no tokens would never finish a prompt
+            raise ValueError(f"the generator's prefill_chunk {generator.prefill_chunk} must be at least 1 token")
         self.generator, self.queue_size, self.prefill_share = generator, queue_size, prefill_share
         self.finish_share = finish_share
         decoder = generator.decoder
@@ -207,7 +208,7 @@ class Scheduler:
             self.batch = None
             self.note = "this graph has no shared KV buffers: one sequence per run, requests take turns"
         self.slots = slots if self.batch else 1
-        self.piece = generator.prefill_chunk or PIECE_TOKENS
+        self.piece = generator.prefill_chunk  # the most tokens of a prompt one run takes
         self.active: dict[int, Job] = {}  # row -> job, prefilling or decoding
         self.widest_step = 0  # the most rows one run has advanced together (for tests and stats)
         self.joined_running = 0  # jobs that joined while others were decoding

@@ -307,3 +307,11 @@ def test_a_waiting_prompt_that_finishes_within_the_finish_share_goes_whole_and_a
 def test_a_share_that_would_stall_or_mean_nothing_is_refused_in_one_line(fp32_generator, shares):
     with pytest.raises(ValueError, match="prefill_share .* above 0"):
         Scheduler(fp32_generator, slots=1, **shares)
+
+
+def test_a_generator_whose_prompt_pieces_hold_no_tokens_is_refused(fp32_generator, monkeypatch):
+    """A piece of 0 tokens would leave a prompt unfinished forever: the scheduler refuses it at once."""
+    assert fp32_generator.prefill_chunk >= 1  # TextGenerator's own: the tuned chunk, else LONG_PROMPT_PIECE
+    monkeypatch.setattr(fp32_generator, "prefill_chunk", 0)
+    with pytest.raises(ValueError, match="prefill_chunk 0 must be at least 1 token"):
+        Scheduler(fp32_generator, slots=1)

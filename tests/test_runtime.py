@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from ortforge import Decoder, IncrementalDetokenizer, SessionSettings, TextGenerator, create_session
+from ortforge.generate import LONG_PROMPT_PIECE
 from tasks.evaluation.metrics import cached_decode_gap, full_pass_logits
 from tests.conftest import REPO
 
@@ -43,6 +44,33 @@ def test_prefill_in_chunks_equals_the_whole_prompt(generator, chunk):
         whole.forward([7], whole_cache, last_only=True)[0][-1],
         atol=1e-4,
     )
+
+
+def test_a_long_prompt_runs_in_pieces_where_tuning_chose_whole_prompts(generator, monkeypatch):
+    """A prefill_chunk of 0 (tuning ran its short prompt best whole) still cuts a prompt longer
+    than LONG_PROMPT_PIECE into pieces where validate proved them (GroupQueryAttention scores a
+    run's every query against its every key, so one run of N tokens costs N x N), with the
+    logits of the whole prompt; a prompt within one piece runs whole."""
+    decoder = generator.decoder
+    assert SessionSettings.for_artifact(generator.model_dir).prefill_chunk == 0
+    assert decoder.prefill_chunk == LONG_PROMPT_PIECE
+    text = " ".join(["the GNU General Public License is a free, copyleft license for software"] * 60)
+    ids = generator.encode(text)[: 2 * LONG_PROMPT_PIECE + 5]
+    assert len(ids) == 2 * LONG_PROMPT_PIECE + 5
+    runs, run = [], decoder._run
+
+    def counted(piece, cache, last_only):
+        runs.append(piece.shape[1])
+        return run(piece, cache, last_only)
+
+    monkeypatch.setattr(decoder, "_run", counted)
+    logits, cache = decoder.forward(ids, decoder.empty_cache(), last_only=True)
+    decoder.forward(ids[:LONG_PROMPT_PIECE], decoder.empty_cache(), last_only=True)
+    assert decoder.runs_like_any(len(ids)) or not decoder.shared  # genai's graphs are proven for pieces
+    pieces = [LONG_PROMPT_PIECE, LONG_PROMPT_PIECE, 5] if decoder.runs_like_any(len(ids)) else [len(ids)]
+    assert runs == [*pieces, LONG_PROMPT_PIECE] and cache.length == len(ids)
+    whole = Decoder(generator.session)
+    np.testing.assert_allclose(logits, whole.forward(ids, whole.empty_cache(), last_only=True)[0], atol=1e-4)
 
 
 def test_generation_computes_only_the_last_row_of_logits(generator):
