@@ -1,6 +1,7 @@
 """Whether a long prompt prefills faster whole or in pieces: per variant, batch-1 time to the first
 token of prompts of 256 to 4,096 tokens, run whole and in pieces of 128, 256 and 512 tokens; and
-the peak RSS of the longest prompt, whole and in pieces of 256.
+the peak RSS of the longest prompt, whole and in the runtime's pieces
+(ortforge.generate.LONG_PROMPT_PIECE).
 
 Why pieces can be faster although they compute the same thing: onnxruntime's CPU
 GroupQueryAttention scores every query of a run against every key the run sees, the masked half
@@ -39,6 +40,7 @@ from benchmarks import provenance  # noqa: E402
 from benchmarks.load_peers import PEER_FORMATS  # noqa: E402
 from benchmarks.peers import openvino_peer  # noqa: E402
 from benchmarks.side_by_side import CACHE  # noqa: E402
+from ortforge.generate import LONG_PROMPT_PIECE  # noqa: E402
 from tasks.bench import prompt_ids  # noqa: E402
 from tasks.core import paths  # noqa: E402
 from tasks.core.files import atomic_write_json  # noqa: E402
@@ -47,7 +49,6 @@ from tasks.measurement.timing import in_fresh_process  # noqa: E402
 RESULTS = REPO / "benchmarks" / "results"
 TEXT = REPO / "data" / "eval" / "GPL-3.txt"
 WHOLE = 0  # a piece size of 0: the prompt in one run
-MEMORY_PIECE = 256  # the piece size whose peak RSS is set beside the whole prompt's
 
 
 def first_tokens(folder: str, ids: list[int], lengths: list[int], pieces: list[int], rounds: int) -> dict:
@@ -101,13 +102,14 @@ def openvino_first_tokens(model: str, ids: list[int], lengths: list[int], rounds
 
 
 def peer_table(report: dict) -> str:
-    """First token ms per length: every ortforge variant in pieces of MEMORY_PIECE, then each peer."""
+    """First token ms per length: every ortforge variant in pieces of LONG_PROMPT_PIECE, then each peer."""
     ours = {v: f["first_token_ms"] for v, f in report["variants"].items() if f["pieces_proven"]}
     peers = report.get("peers", {})
-    head = " | ".join([*(f"ortforge {v}, pieces of {MEMORY_PIECE}" for v in ours), *peers])
+    head = " | ".join([*(f"ortforge {v}, pieces of {LONG_PROMPT_PIECE}" for v in ours), *peers])
     lines = [f"| prompt tokens | {head} |", "|---|" + "---|" * (len(ours) + len(peers))]
     for n in map(str, report["lengths"]):
-        cells = [f"{by[n][str(MEMORY_PIECE)]:,.0f}" for by in ours.values()] + [f"{p[n]:,.0f}" for p in peers.values()]
+        cells = [f"{by[n][str(LONG_PROMPT_PIECE)]:,.0f}" for by in ours.values()]
+        cells += [f"{peer[n]:,.0f}" for peer in peers.values()]
         lines.append(f"| {int(n):,} | {' | '.join(cells)} |")
     return "\n".join(lines)
 
@@ -115,13 +117,15 @@ def peer_table(report: dict) -> str:
 def table(report: dict) -> str:
     pieces = report["pieces"]
     head = "| variant | prompt tokens | whole, ms | " + " | ".join(f"pieces of {p}, ms" for p in pieces)
-    lines = [head + " | best against whole |", "|---|---|---|" + "---|" * (len(pieces) + 1)]
+    lines = [head + f" | pieces of {LONG_PROMPT_PIECE} (the runtime's) against whole |"]
+    lines.append("|---|---|---|" + "---|" * (len(pieces) + 1))
     for variant, found in report["variants"].items():
-        for n, by_piece in found["first_token_ms"].items():
-            whole = by_piece[str(WHOLE)]
+        for n in sorted(found["first_token_ms"], key=int):
+            by_piece = found["first_token_ms"][n]
+            whole, runtime = by_piece[str(WHOLE)], by_piece.get(str(LONG_PROMPT_PIECE))
             cells = " | ".join(f"{by_piece[str(p)]:,.0f}" if str(p) in by_piece else "-" for p in pieces)
-            best = min(by_piece.values())
-            lines.append(f"| {variant} | {int(n):,} | {whole:,.0f} | {cells} | x{best / whole:.2f} |")
+            against = "-" if runtime is None else f"x{runtime / whole:.2f}"
+            lines.append(f"| {variant} | {int(n):,} | {whole:,.0f} | {cells} | {against} |")
     return "\n".join(lines)
 
 
@@ -131,10 +135,10 @@ def memory_lines(report: dict) -> list[str]:
     for variant, found in report["variants"].items():
         memory = found.get("memory")
         if memory:
-            whole, pieced = memory[str(WHOLE)], memory[str(MEMORY_PIECE)]
+            whole, pieced = memory[str(WHOLE)], memory[str(LONG_PROMPT_PIECE)]
             lines.append(
                 f"{variant}, {longest:,}-token prompt: peak RSS {whole['peak_mb']:,.0f} MB whole, "
-                f"{pieced['peak_mb']:,.0f} MB in pieces of {MEMORY_PIECE} "
+                f"{pieced['peak_mb']:,.0f} MB in pieces of {LONG_PROMPT_PIECE} "
                 f"(session loaded: {whole['loaded_mb']:,.0f} MB)"
             )
     return lines
@@ -168,8 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     pieces = sorted(int(p) for p in args.pieces.split(","))
     if min(lengths) < 1 or min(pieces) < 1 or args.rounds < 1:
         raise SystemExit("error: --lengths, --pieces and --rounds must be positive")
-    if MEMORY_PIECE not in pieces:
-        raise SystemExit(f"error: --pieces must include {MEMORY_PIECE} (the memory comparison's piece size)")
+    if LONG_PROMPT_PIECE not in pieces:
+        raise SystemExit(f"error: --pieces must include {LONG_PROMPT_PIECE} (the runtime's piece)")
     os.chdir(REPO)
     measured = provenance.model_outputs(args.model, variants)
     provenance.require_current(measured)
@@ -195,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         if found["pieces_proven"]:
             print(f"{variant}: peak RSS at {max(lengths)} tokens", flush=True)
             report["variants"][variant]["memory"] = {
-                str(p): in_fresh_process(here.peak_memory, folder, ids, p) for p in (WHOLE, MEMORY_PIECE)
+                str(p): in_fresh_process(here.peak_memory, folder, ids, p) for p in (WHOLE, LONG_PROMPT_PIECE)
             }
         print(table({**report, "variants": {variant: report["variants"][variant]}}), flush=True)
     if openvino_peer.installed():

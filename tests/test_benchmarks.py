@@ -251,3 +251,24 @@ def test_execution_providers_count_where_nodes_ran_and_how_far_the_logits_moved(
     report = {"new_tokens": 4, "variants": {"int4": {eps.CPU: eps.summarize(cpu, None), "OpenVINO EP (f32)": other}}}
     row = eps.table(report).splitlines()[-1]
     assert "| 2 / 1 | GQA 1 | 60.0 | x0.60 |" in row and "| 1 (10.0) | 2/4 |" in row
+
+
+def test_prefill_pieces_times_every_length_and_piece_and_shows_the_runtimes_against_whole(built):
+    """The long-prompt benchmark on the tiny model: each length whole and in each piece size, then
+    its table in length order with the runtime's piece against the whole prompt."""
+    from benchmarks import prefill_pieces
+    from ortforge.generate import LONG_PROMPT_PIECE
+
+    ids = list(range(5, 45))
+    found = prefill_pieces.first_tokens(str(built["fp32"]), ids, [40, 12], [8, LONG_PROMPT_PIECE], 1)
+    assert found["pieces_proven"] and found["tuned_prefill_chunk"] == 0
+    assert {n: sorted(by, key=int) for n, by in found["seconds"].items()} == {
+        n: ["0", "8", str(LONG_PROMPT_PIECE)] for n in ("40", "12")
+    }
+    assert all(len(s) == 1 and s[0] > 0 for by in found["seconds"].values() for s in by.values())
+    medians = {"12": {"0": 10.0, "8": 9.0, str(LONG_PROMPT_PIECE): 10.0}, "40": {"0": 40.0, "8": 30.0}}
+    report = {"pieces": [8, LONG_PROMPT_PIECE], "variants": {"fp32": {**found, "first_token_ms": medians}}}
+    rows = prefill_pieces.table(report).splitlines()[2:]
+    assert rows == ["| fp32 | 12 | 10 | 9 | 10 | x1.00 |", "| fp32 | 40 | 40 | 30 | - | - |"]
+    memory = prefill_pieces.peak_memory(str(built["fp32"]), ids, 8)
+    assert memory["peak_mb"] >= memory["loaded_mb"] > 0
