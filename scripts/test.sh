@@ -15,4 +15,7 @@ if ! command -v chromium >/dev/null && command -v apt-get >/dev/null && [ "$(id 
 fi
 ruff check .
 ruff format --check .
-python -m pytest "$@"
+# Two workers (pytest-xdist): the suite's DVC and Prefect builds are chains of one-process stages,
+# so two at once use both cores; a file's tests stay on one worker to share its module fixtures.
+# Arguments after these win: `bash scripts/test.sh -n 0 tests/test_x.py` runs in this process.
+python -m pytest -n 2 --dist loadfile "$@"

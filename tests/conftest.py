@@ -190,6 +190,13 @@ def add_model(project: Path, name: str, hf_dir: Path) -> None:
     (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False), encoding="utf-8")
 
 
+def keep_builds(project: Path, variants: tuple[str, ...]) -> None:
+    """Build only these variants of each model (params.yaml `builds`)."""
+    params = yaml.safe_load((project / "params.yaml").read_text(encoding="utf-8"))
+    params["builds"] = {key: build for key, build in params["builds"].items() if build["variant"] in variants}
+    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False), encoding="utf-8")
+
+
 @pytest.fixture(scope="session")
 def params(tiny_hf):
     from tasks.core.params import Params
@@ -263,10 +270,25 @@ def copy_project(source: Path, dest: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def first_build(tmp_path_factory, tiny_hf) -> tuple[Path, list[str]]:
-    """The tiny project's whole DAG built from nothing by `dvc repro`, once per session: its
-    folder and the stages that ran. Tests change copies of it (built_project), never it."""
-    project = make_project(tmp_path_factory.mktemp("first-build") / "repo", tiny_hf)
-    return project, dvc_repro(project)
+    """The tiny project's whole DAG built from nothing by `dvc repro`, once per test run: its
+    folder and the stages that ran. Tests change copies of it (built_project), never it. With
+    pytest-xdist's workers (scripts/test.sh runs two), the first to ask builds it under a file lock
+    in the folder they share and the others take it: two builds of it cost 2 minutes of CPU."""
+    import json
+
+    from filelock import FileLock
+
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        project = make_project(tmp_path_factory.mktemp("first-build") / "repo", tiny_hf)
+        return project, dvc_repro(project)
+    shared = tmp_path_factory.getbasetemp().parent  # the run's folder; each worker's basetemp is in it
+    record = shared / "first-build.json"
+    with FileLock(str(shared / "first-build.lock")):
+        if not record.is_file():
+            project = make_project(shared / "first-build" / "repo", tiny_hf)
+            record.write_text(json.dumps({"project": str(project), "ran": dvc_repro(project)}), encoding="utf-8")
+    built = json.loads(record.read_text(encoding="utf-8"))
+    return Path(built["project"]), built["ran"]
 
 
 @pytest.fixture
