@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Quick start, step 2: install, lint, and run the test suite (tiny random models; a few minutes).
+# Quick start, step 2: install, lint, and run the test suite (tiny random models; about 20 minutes on 2 cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
