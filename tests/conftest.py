@@ -56,6 +56,8 @@ WEIGHT_ONLY = {
     "eight_bit_blocks": [],
 }
 VARIANTS = ("fp32", "int8", "int4")
+# The fewest that still run every kind of stage: the task reference and a quantized variant.
+EVERY_STAGE_KIND = ("fp32", "int4")
 TINY_PARAMS = {
     "models": {
         "tiny": {
@@ -181,20 +183,28 @@ def tiny_qwen_hf(tmp_path_factory) -> Path:
     return tiny_models.build_hf_model(tmp_path_factory.mktemp("tiny-qwen") / "hf", EVAL_TEXT, architecture="qwen2")
 
 
+def read_params(project: Path, file: str = "params.yaml") -> dict:
+    return yaml.safe_load((project / file).read_text(encoding="utf-8"))
+
+
+def write_project_params(project: Path, params: dict, file: str = "params.yaml") -> None:
+    (project / file).write_text(yaml.safe_dump(params, sort_keys=False), encoding="utf-8")
+
+
 def add_model(project: Path, name: str, hf_dir: Path) -> None:
     """Add a local-folder model and its builds to the project's params.yaml: the only file a new
     model touches."""
-    params = yaml.safe_load((project / "params.yaml").read_text(encoding="utf-8"))
+    params = read_params(project)
     params["models"][name] = {**params["models"]["tiny"], "source": {"kind": "local", "path": str(hf_dir)}}
     params["builds"] |= {f"{name}-{variant}": {"model": name, "variant": variant} for variant in VARIANTS}
-    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False), encoding="utf-8")
+    write_project_params(project, params)
 
 
-def keep_builds(project: Path, variants: tuple[str, ...]) -> None:
+def keep_builds(project: Path, variants: tuple[str, ...] = EVERY_STAGE_KIND) -> None:
     """Build only these variants of each model (params.yaml `builds`)."""
-    params = yaml.safe_load((project / "params.yaml").read_text(encoding="utf-8"))
+    params = read_params(project)
     params["builds"] = {key: build for key, build in params["builds"].items() if build["variant"] in variants}
-    (project / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False), encoding="utf-8")
+    write_project_params(project, params)
 
 
 @pytest.fixture(scope="session")
@@ -348,13 +358,12 @@ def git(project: Path, *args: str) -> str:
 
 
 def set_param(project: Path, keys: list[str], value, file: str = "params.yaml") -> None:
-    path = project / file
-    params = yaml.safe_load(path.read_text())
+    params = read_params(project, file)
     node = params
     for key in keys[:-1]:
         node = node[key]
     node[keys[-1]] = value
-    path.write_text(yaml.safe_dump(params, sort_keys=False))
+    write_project_params(project, params, file)
 
 
 @pytest.fixture(scope="session")

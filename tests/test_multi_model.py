@@ -8,12 +8,12 @@ import json
 
 import pytest
 
-from tests.conftest import add_model, dvc, fresh_clone, keep_builds, make_project, prefect_records
+from tests.conftest import EVERY_STAGE_KIND, add_model, dvc, fresh_clone, keep_builds, make_project, prefect_records
 
 pytestmark = pytest.mark.e2e
 
 VARIANTS = ("fp32", "int8", "int4")
-FANNED_OUT = ("fp32", "int4")  # the Dask build's: two models' variants in parallel, the task reference kept
+FANNED_OUT = EVERY_STAGE_KIND  # the Dask build's variants, per model: two models in parallel
 
 
 def stages_of(model: str, variants: tuple[str, ...] = VARIANTS) -> set[str]:
