@@ -86,7 +86,13 @@ def run_config(folder: str, plugin: str, properties: dict | None, prompt: list[i
             options.enable_profiling, options.profile_file_prefix = True, profile_prefix
         return ort.InferenceSession(str(Path(folder) / MODEL_FILE), options)
 
-    profiled = Decoder(session(str(scratch / "ort")))
+    try:
+        profiled = Decoder(session(str(scratch / "ort")))
+    except Exception as error:  # onnxruntime's pybind errors share no narrower base
+        if properties is None:
+            raise
+        shutil.rmtree(scratch)
+        return {"plugin_version": version, "refused": refusal(error)}
     profiled.forward(prompt, profiled.empty_cache(), last_only=True)
     placement = node_placement(json.loads(Path(profiled.session.end_profiling()).read_text(encoding="utf-8")))
     del profiled
@@ -112,6 +118,12 @@ def run_config(folder: str, plugin: str, properties: dict | None, prompt: list[i
     }
 
 
+def refusal(error: Exception) -> str:
+    """Why a provider would not build a session for a graph: the line of its error that says so."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return next((line for line in lines if "could not" in line.lower() or "cannot" in line.lower()), lines[0])
+
+
 def node_placement(events: list[dict]) -> dict:
     """From a profiled run: how many graph nodes each provider ran, and the op types the CPU
     provider kept (a node OpenVINO took is one of its fused subgraphs)."""
@@ -129,6 +141,8 @@ def summarize(runs: list[dict], reference: list[dict] | None) -> dict:
     """The median over rounds of a configuration's figures, and how its logits and greedy tokens
     compare with the CPU provider's (reference; None for the CPU provider itself)."""
     first = runs[0]
+    if "refused" in first:
+        return {"plugin_version": first["plugin_version"], "refused": first["refused"]}
     found = {
         "plugin_version": first["plugin_version"],
         "placement": first["placement"],
@@ -163,6 +177,9 @@ def table(report: dict) -> str:
     for variant, configs in report["variants"].items():
         cpu = configs[CPU]
         for name, figures in configs.items():
+            if "refused" in figures:  # the provider would not load this graph: say why, measure nothing
+                lines.append(f"| {variant} | {name} | refused: {figures['refused']} |" + " - |" * (len(COLUMNS) - 3))
+                continue
             nodes = figures["placement"]["nodes"]
             kept = ", ".join(f"{op} {count}" for op, count in figures["placement"]["cpu_op_types"].items())
             on_cpu = nodes.get("CPUExecutionProvider", 0)

@@ -251,6 +251,13 @@ def test_execution_providers_count_where_nodes_ran_and_how_far_the_logits_moved(
     report = {"new_tokens": 4, "variants": {"int4": {eps.CPU: eps.summarize(cpu, None), "OpenVINO EP (f32)": other}}}
     row = eps.table(report).splitlines()[-1]
     assert "| 2 / 1 | GQA 1 | 60.0 | x0.60 |" in row and "| 1 (10.0) | 2/4 |" in row
+    # a provider that will not load a graph: its row says why, with as many cells as the header
+    error = RuntimeError("[ONNXRuntimeError] : 1 : FAIL :\n OpenVINO-EP: it could not convert QuantizeLinear-21")
+    refused = eps.summarize([{"plugin_version": "1", "refused": eps.refusal(error)}], cpu)
+    assert refused == {"plugin_version": "1", "refused": "OpenVINO-EP: it could not convert QuantizeLinear-21"}
+    report["variants"]["w8a8"] = {eps.CPU: eps.summarize(cpu, None), "OpenVINO EP (its defaults)": refused}
+    header, *_, last = eps.table(report).splitlines()
+    assert "refused: OpenVINO-EP: it could not convert" in last and last.count("|") == header.count("|")
 
 
 def test_prefill_pieces_times_every_length_and_piece_and_shows_the_runtimes_against_whole(built):

@@ -12,11 +12,12 @@ import pytest
 from ortforge import BatchDecoder, Decoder, create_session, names
 from ortforge.manifest import read_manifest, validation_stamp
 from tasks import quantize, validate
+from tasks.core.errors import StageError
 from tasks.core.params import CalibrationConfig
 from tasks.evaluation.metrics import full_pass_logits
 from tasks.graphs import architecture, onnx_io
 from tasks.graphs.weights import DATA_SUFFIX, ExternalData, WeightStore, copy_into, fold_chains
-from tasks.quantization import per_token, smoothing
+from tasks.quantization import per_token, smoothing, writer
 from tasks.quantization.configs import quantize_config
 from tests.conftest import REPO
 
@@ -66,6 +67,11 @@ def test_every_matmul_and_the_tied_lookup_are_int8_codes(w8a8):
     ops = onnx_io.op_counts(graph)
     assert "MatMul" not in ops and "MatMulNBits" not in ops
     assert ops[per_token.MATMUL] > 0 and "DynamicQuantizeLinear" not in ops and "MatMulInteger" not in ops
+    # each activation's codes: one blocked QuantizeLinear (and one for its zero point), no float rounding
+    assert "Round" not in ops and ops["QuantizeLinear"] == 2 * len(
+        {node.input[0] for node in graph.graph.node if node.op_type == per_token.MATMUL}
+    )
+    assert {o.domain: o.version for o in graph.opset_import}[""] == writer.BLOCKED_QUANTIZE_OPSET
     coverage = read_manifest(w8a8)["coverage"]
     assert {role: list(rows) for role, rows in coverage.items()} == {
         "linear": ["8"],
@@ -271,3 +277,20 @@ def test_mixture_of_experts_layers_take_8_bit_experts_beside_per_token_linears(t
     assert validation_stamp(folder).is_file()  # validate passed it (a failure raises)
     # QMoE groups a run's tokens by expert: float rounding apart, a row is what it is alone
     np.testing.assert_allclose(rows_logits(folder, [1, 2, 3]), rows_logits(folder, list(range(300, 364))), atol=1e-4)
+
+
+def opset_graph(version: int, op: str = "ReduceMax"):
+    node = onnx.helper.make_node(op, ["x"], ["y"])
+    graph = onnx.helper.make_graph([node], "g", [], [])
+    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", version)])
+
+
+def test_the_opset_is_raised_only_where_every_op_keeps_its_meaning():
+    model = opset_graph(18)
+    writer.GraphWriter(model).raise_opset(21)
+    assert model.opset_import[0].version == 21
+    # below 18 the Reduce ops take their axes as an attribute: relabelled, the graph would not load
+    with pytest.raises(StageError, match="export.opset to 18"):
+        writer.GraphWriter(opset_graph(17)).raise_opset(21)
+    with pytest.raises(StageError, match="GroupNormalization"):
+        writer.GraphWriter(opset_graph(18, "GroupNormalization")).raise_opset(21)

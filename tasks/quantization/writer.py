@@ -8,9 +8,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tasks.core.errors import StageError
 from tasks.graphs.weights import ExternalData, WeightStore
 from tasks.quantization.codes import BlockCodes, is_integer_grid, offset_rows, pack, pack_zero_points
 from tasks.quantization.layers import Linear, weight_matrix
+
+BLOCKED_QUANTIZE_OPSET = 21  # QuantizeLinear with block_size
+RAISABLE_FROM = 18  # below it, ReduceMax and others take their axes as an attribute, not an input
+# Ops whose meaning changed between opset 18 and 21 (GroupNormalization's scale is per channel from
+# 21, GridSample's modes were renamed in 20): a graph holding one is not raised, since relabelling
+# it would change what it computes.
+CHANGED_SINCE_18 = frozenset({"GroupNormalization", "GridSample"})
 
 
 class GraphWriter:
@@ -30,6 +38,29 @@ class GraphWriter:
         tensor = self.data.tensor(array, name) if self.data is not None and array.nbytes >= 1024 else None
         self.model.graph.initializer.append(tensor or numpy_helper.from_array(array, name))
         return name
+
+    def raise_opset(self, version: int) -> None:
+        """Declare the standard ops at opset version at least, so nodes of that opset can be added.
+        Every op the graph holds keeps its meaning from RAISABLE_FROM on, but those of
+        CHANGED_SINCE_18; a graph from below it, or holding one of those, is refused in one line."""
+        standard = next((o for o in self.model.opset_import if o.domain in ("", "ai.onnx")), None)
+        if standard is None:
+            self.model.opset_import.add(domain="", version=version)
+            return
+        if standard.version >= version:
+            return
+        if standard.version < RAISABLE_FROM:
+            raise StageError(
+                f"this variant writes opset {version} nodes and the exported graph is opset {standard.version}, "
+                f"which cannot be raised: set params.yaml export.opset to {RAISABLE_FROM} or above and export again"
+            )
+        changed = sorted(CHANGED_SINCE_18 & {node.op_type for node in self.model.graph.node})
+        if changed:
+            raise StageError(
+                f"this variant writes opset {version} nodes and the graph holds {', '.join(changed)}, whose meaning "
+                f"changed after opset {standard.version}: choose a variant without int8_per_token for this model"
+            )
+        standard.version = version
 
     def half_constant(self, name: str, array: np.ndarray) -> str:
         """A float32 value stored as float16 and cast back (folded into a float32 initializer at load)."""
