@@ -3,7 +3,7 @@
 serve` and, when installed, llama.cpp's `llama-server` (`--parallel N`, continuous batching) on the
 same model's GGUF, driven by the same load generator over HTTP and interleaved per concurrency.
 
-    python benchmarks/serving.py [--model smollm2-135m] [--variant int4,int8,fp32] [--streams 1,4,8]
+    python benchmarks/serving.py [--model smollm2-135m] [--variant int4,int8,w8a8,fp32] [--streams 1,4,8]
                                  [--prompt-tokens 128] [--new-tokens 64] [--requests 2] [--rounds 3]
 
 Each stream sends --requests streamed completions one after another (greedy); a request's prompt is
