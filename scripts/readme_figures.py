@@ -37,6 +37,7 @@ from benchmarks import (  # noqa: E402
 )
 from benchmarks import structured as structured_bench  # noqa: E402
 from benchmarks.side_by_side import chain_table, quality_table, table  # noqa: E402
+from tasks.report import machines_note  # noqa: E402
 from tasks.reporting import gates, task_ab  # noqa: E402
 
 README = REPO / "README.md"
@@ -65,6 +66,7 @@ def report_summary(model: str) -> str:
     close = [v for v, r in sorted(rows.items(), key=lambda i: i[1]["size_mb"]) if r["ppl_ratio"] <= 1.01 and v != best]
     rule = report["rule"]
     lines = [f"- {gates.count_sentence(report['validation']['counts'])} Every passing variant was benchmarked."]
+    lines += [f"- {note}" for note in machines_note(report.get("bench_machines", {}), model)]
     within = f"perplexity x{rule['max_ppl_ratio']}" + (" passing the task gate" if rule["require_task_gate"] else "")
     if best:
         figures = _figures(rows[best])

@@ -109,6 +109,30 @@ def collect(reports_dir: Path, variants: list[str]) -> tuple[list[Row], Row | No
     return rows, baseline, workload, failed
 
 
+def bench_machines(reports_dir: Path, variants: list[str]) -> dict[str, list[str]]:
+    """Each machine the variants' bench figures were measured on (its CPU and the features that
+    pick onnxruntime's kernels), with the variants measured there. A bench reruns only when its
+    artifact changes, so after a change rebuilt on another machine one table can hold two."""
+    found: dict[str, list[str]] = {}
+    for variant in variants:
+        measured = read_json(reports_dir / variant / "bench.json").get("machine", {})
+        name = f"{measured.get('cpu', 'an unrecorded CPU')} ({'+'.join(measured.get('features', [])) or '-'})"
+        found.setdefault(name, []).append(variant)
+    return found
+
+
+def machines_note(machines: dict[str, list[str]], model: str) -> list[str]:
+    """A warning when the speeds of one table come from more than one machine: the Pareto front and
+    the recommendation then compare figures no one run measured."""
+    if len(machines) < 2:
+        return []
+    each = "; ".join(f"{', '.join(variants)} on {name}" for name, variants in machines.items())
+    return [
+        f"Speeds in this table come from {len(machines)} machines ({each}): compare them within one machine "
+        f"only, or measure every variant here with `dvc repro --force --glob 'bench@{model}-*'`."
+    ]
+
+
 def dominates(a: Row, b: Row) -> bool:
     """a is no worse than b in perplexity, size and decode speed, and better in at least one."""
     no_worse = (
@@ -144,7 +168,15 @@ def _count(value: float) -> str:
 
 
 def markdown(
-    model: str, rows: list[Row], baseline: Row | None, front: list[str], best: Row | None, cfg, workload, failed
+    model: str,
+    rows: list[Row],
+    baseline: Row | None,
+    front: list[str],
+    best: Row | None,
+    cfg,
+    workload,
+    failed,
+    machines: dict[str, list[str]],
 ) -> str:
     header = (
         "| variant | Pareto | perplexity | ppl ratio | KL | top-1 | greedy match | size MB | decode tok/s | "
@@ -156,6 +188,8 @@ def markdown(
         lines += [f"**Recommended: {best.variant}**: best {cfg.recommend_by} within {rule}.", ""]
     else:
         lines += [f"No variant is within {rule}; none is recommended.", ""]
+    if warning := machines_note(machines, model):
+        lines += [*warning, ""]
     lines += [header, "|" + "---|" * 14]
     for row in rows + ([baseline] if baseline else []):
         mark = "yes" if row.variant in front else ("-" if row is baseline else "")
@@ -248,7 +282,8 @@ def run(
     front, best = pareto_front(rows), recommend(rows, cfg, passed_tasks)
     loads = {row.variant: read_json(reports_dir / row.variant / "bench.json").get("concurrency", {}) for row in rows}
     shown = best or rows[0]
-    text = markdown(model, rows, baseline, front, best, cfg, workload, failed)
+    machines = bench_machines(reports_dir, [row.variant for row in rows])
+    text = markdown(model, rows, baseline, front, best, cfg, workload, failed, machines)
     text += "\n".join(task_ab.markdown(comparison)) + "\n"
     text += "\n".join(load.markdown(shown.variant, loads[shown.variant], workload)) + "\n"
     text += "\n".join(gates.markdown(model, validations)) + "\n"
@@ -266,6 +301,7 @@ def run(
         "validation": gates.summary(validations),
         "tasks": comparison,
         "under_load": {shown.variant: loads[shown.variant]},
+        "bench_machines": machines,
     }
     atomic_write_json(out["json"], summary)
     written = ", ".join(str(out[key]) for key in ("md", "png", "load-png", "html", "json"))

@@ -150,6 +150,23 @@ def test_run_marks_front_and_recommends_by_rule(tmp_path, outputs):
     assert json.loads(outputs["json"].read_text())["under_load"]["int4"]["4"]["peak_rss_mb"] == 304.0
 
 
+def test_speeds_from_two_machines_are_said_to_be_so(tmp_path, outputs):
+    """A bench reruns only for a changed artifact: after a change built on another machine, one
+    table holds speeds no one run measured, and the report says which come from where."""
+    fake_reports(tmp_path / "variants")
+    assert report.run("tiny", list(FIGURES), ReportConfig(), TasksConfig(), tmp_path / "variants", outputs)[
+        "bench_machines"
+    ] == {"an unrecorded CPU (-)": list(FIGURES)}
+    assert "machines" not in outputs["md"].read_text()
+    for variant, features in (("int8", ["avx2"]), ("int4", ["avx2", "amx_int8"])):
+        bench = tmp_path / "variants" / variant / "bench.json"
+        bench.write_text(json.dumps(json.loads(bench.read_text()) | {"machine": {"cpu": "Xeon", "features": features}}))
+    summary = report.run("tiny", list(FIGURES), ReportConfig(), TasksConfig(), tmp_path / "variants", outputs)
+    assert summary["bench_machines"]["Xeon (avx2+amx_int8)"] == ["int4"] and len(summary["bench_machines"]) == 3
+    assert "Speeds in this table come from 3 machines (" in outputs["md"].read_text()
+    assert "int4 on Xeon (avx2+amx_int8)" in outputs["md"].read_text()
+
+
 @pytest.mark.parametrize(
     "rule, expected",
     [
