@@ -122,12 +122,15 @@ def tuned_settings(model: str = "smollm2-135m", variant: str = "int4") -> str:
     from ortforge.session import SessionSettings
 
     path = REPO / "artifacts" / model / "variants" / f"{variant}.runtime.json"
-    chosen, defaults = _json(path)["session"], SessionSettings().to_dict()
+    recorded = _json(path)
+    chosen, defaults, tuned_on = recorded["session"], SessionSettings().to_dict(), recorded["machine"]
     differ = [f"{key} {chosen[key]} (default {defaults[key]})" for key in defaults if chosen.get(key) != defaults[key]]
     said = "; ".join(differ) if differ else "none: the sweep found nothing faster than the defaults"
     return (
         f"The settings bench chose for {variant} (`{path.relative_to(REPO)}`) differ from onnxruntime's defaults in: "
-        f"{said}. The `+ tuned session settings` row is what they change here."
+        f"{said}, on {tuned_on['cpu']} ({'+'.join(tuned_on['features'])}). The "
+        f"`+ tuned session settings` row runs with them on that CPU and with the defaults on any other (the "
+        f"runtime's rule: settings are measured per CPU)."
     )
 
 
@@ -353,7 +356,8 @@ def step_profile_summary() -> str:
     return "\n".join(
         [
             f"{report['model']}, {report['prompt_tokens']}-token prompts without a shared prefix, {report['cpus']} "
-            "cores, each variant with its tuned settings. The profiler slows a small step a lot (compare the first "
+            "cores, each variant with the settings its runtime.json gives on this CPU (onnxruntime's defaults where bench "
+            "tuned it on another). The profiler slows a small step a lot (compare the first "
             "two columns), so read its operator times as shares; the plain step and the scheduler's own time come "
             "from a run without it:",
             "",
