@@ -150,7 +150,8 @@ def summary(report: dict) -> str:
     beside = f"; OpenVINO GenAI {peers['openvino-genai']} at its CPU defaults on the same token ids" if peers else ""
     head = (
         f"{report['model']}, batch-1 time to the first token (prefill and its argmax) of the first N tokens of "
-        f"{report['text']}, {report['cpus']} cores, each variant with its tuned settings in its own process, "
+        f"{report['text']}, {report['cpus']} cores, each variant in its own process with the settings its runtime.json "
+        "gives on this CPU (onnxruntime's defaults where bench tuned it on another), "
         f"medians of {report['rounds']} interleaved rounds after a warm-up round{beside}:"
     )
     parts = [head, table(report)]
