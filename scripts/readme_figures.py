@@ -356,8 +356,8 @@ def step_profile_summary() -> str:
     return "\n".join(
         [
             f"{report['model']}, {report['prompt_tokens']}-token prompts without a shared prefix, {report['cpus']} "
-            "cores, each variant with the settings its runtime.json gives on this CPU (onnxruntime's defaults where bench "
-            "tuned it on another). The profiler slows a small step a lot (compare the first "
+            "cores, each variant with the settings its runtime.json gives on this CPU (onnxruntime's defaults "
+            "where bench tuned it on another). The profiler slows a small step a lot (compare the first "
             "two columns), so read its operator times as shares; the plain step and the scheduler's own time come "
             "from a run without it:",
             "",

@@ -129,7 +129,8 @@ def machines_note(machines: dict[str, list[str]], model: str) -> list[str]:
     each = "; ".join(f"{', '.join(variants)} on {name}" for name, variants in machines.items())
     return [
         f"Speeds in this table come from {len(machines)} machines ({each}): compare them within one machine "
-        f"only, or measure every variant here with `dvc repro --force --glob 'bench@{model}-*'`."
+        f"only, or measure every variant here with "
+        f"`dvc repro --force --single-item --glob 'bench@{model}-*'` (--single-item: not their upstream stages)."
     ]
 
 

@@ -165,6 +165,7 @@ def test_speeds_from_two_machines_are_said_to_be_so(tmp_path, outputs):
     assert summary["bench_machines"]["Xeon (avx2+amx_int8)"] == ["int4"] and len(summary["bench_machines"]) == 3
     assert "Speeds in this table come from 3 machines (" in outputs["md"].read_text()
     assert "int4 on Xeon (avx2+amx_int8)" in outputs["md"].read_text()
+    assert "dvc repro --force --single-item --glob 'bench@tiny-*'" in outputs["md"].read_text()
 
 
 @pytest.mark.parametrize(
