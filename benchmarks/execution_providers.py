@@ -119,8 +119,9 @@ def run_config(folder: str, plugin: str, properties: dict | None, prompt: list[i
 
 
 def refusal(error: Exception) -> str:
-    """Why a provider would not build a session for a graph: the line of its error that says so."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    """Why a provider would not build a session for a graph: the line of its error that says so
+    (its first line, or the error's type when it has no message)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
     return next((line for line in lines if "could not" in line.lower() or "cannot" in line.lower()), lines[0])
 
 

@@ -75,18 +75,31 @@ def read_validation(folder: Path, variant: str) -> dict:
     return validation
 
 
-def collect(reports_dir: Path, variants: list[str]) -> tuple[list[Row], Row | None, dict, list[str]]:
-    """The passing variants' rows, the PyTorch baseline's row (from the first bench that has one), the
-    workload, and the variants left out because they failed validation."""
-    rows, baseline, workload, failed = [], None, {}, []
+@dataclass(frozen=True)
+class Collected:
+    """What the report reads, each file once: the passing variants' rows and bench figures, the
+    PyTorch baseline's row, the workload, every variant's validation, and the failed variants."""
+
+    rows: list[Row]
+    baseline: Row | None
+    workload: dict
+    failed: list[str]
+    validations: dict[str, dict]  # every variant's, failed ones included (their gates are shown)
+    benches: dict[str, dict]  # each passing variant's bench.json
+
+
+def collect(reports_dir: Path, variants: list[str]) -> Collected:
+    """Every variant's validation, and the bench of each that passed (a failed variant is never
+    published, never reported); the baseline's row comes from the first bench that has one."""
+    rows, baseline, workload, failed, validations, benches = [], None, {}, [], {}, {}
     for variant in variants:
         folder = reports_dir / variant
         try:
-            validation = read_validation(folder, variant)
-            if not validation["passed"]:  # never published, never reported
+            validation = validations[variant] = read_validation(folder, variant)
+            if not validation["passed"]:
                 failed.append(variant)
                 continue
-            bench = read_json(folder / "bench.json")
+            bench = benches[variant] = read_json(folder / "bench.json")
         except FileNotFoundError as error:
             raise StageError(f"{error.filename} is missing; run `dvc repro` to validate and bench {variant}") from None
         rows.append(_row(variant, validation, bench, bench.get("vs_baseline", {}).get("decode_speedup", float("nan"))))
@@ -106,16 +119,16 @@ def collect(reports_dir: Path, variants: list[str]) -> tuple[list[Row], Row | No
         raise StageError(
             f"no variant of {reports_dir.parent.name} passed validation ({', '.join(failed)}); nothing to report"
         )
-    return rows, baseline, workload, failed
+    return Collected(rows, baseline, workload, failed, validations, benches)
 
 
-def bench_machines(reports_dir: Path, variants: list[str]) -> dict[str, list[str]]:
+def bench_machines(benches: dict[str, dict]) -> dict[str, list[str]]:
     """Each machine the variants' bench figures were measured on (its CPU and the features that
     pick onnxruntime's kernels), with the variants measured there. A bench reruns only when its
     artifact changes, so after a change rebuilt on another machine one table can hold two."""
     found: dict[str, list[str]] = {}
-    for variant in variants:
-        measured = read_json(reports_dir / variant / "bench.json").get("machine", {})
+    for variant, bench in benches.items():
+        measured = bench.get("machine", {})
         name = f"{measured.get('cpu', 'an unrecorded CPU')} ({'+'.join(measured.get('features', [])) or '-'})"
         found.setdefault(name, []).append(variant)
     return found
@@ -275,30 +288,30 @@ def plot(model: str, rows: list[Row], baseline: Row | None, front: list[str], be
 def run(
     model: str, variants: list[str], cfg: ReportConfig, tasks: TasksConfig, reports_dir: Path, out: dict[str, Path]
 ) -> dict:
-    rows, baseline, workload, failed = collect(reports_dir, variants)
-    validations = {variant: read_validation(reports_dir / variant, variant) for variant in variants}
+    found = collect(reports_dir, variants)
+    rows, validations = found.rows, found.validations
     answers = task_ab.read_answers(reports_dir, [row.variant for row in rows])
     comparison = task_ab.compare(answers, validations, tasks)
     passed_tasks = {row.variant for row in rows if task_ab.passes(comparison, row.variant)}
     front, best = pareto_front(rows), recommend(rows, cfg, passed_tasks)
-    loads = {row.variant: read_json(reports_dir / row.variant / "bench.json").get("concurrency", {}) for row in rows}
+    loads = {variant: bench.get("concurrency", {}) for variant, bench in found.benches.items()}
     shown = best or rows[0]
-    machines = bench_machines(reports_dir, [row.variant for row in rows])
-    text = markdown(model, rows, baseline, front, best, cfg, workload, failed, machines)
+    machines = bench_machines(found.benches)
+    text = markdown(model, rows, found.baseline, front, best, cfg, found.workload, found.failed, machines)
     text += "\n".join(task_ab.markdown(comparison)) + "\n"
-    text += "\n".join(load.markdown(shown.variant, loads[shown.variant], workload)) + "\n"
+    text += "\n".join(load.markdown(shown.variant, loads[shown.variant], found.workload)) + "\n"
     text += "\n".join(gates.markdown(model, validations)) + "\n"
     atomic_write_text(out["md"], text)
-    plot(model, rows, baseline, front, best, out["png"])
+    plot(model, rows, found.baseline, front, best, out["png"])
     load.plot(model, {v: loads[v] for v in front if loads[v]}, out["load-png"])
-    figures = html.figures_for(rows, baseline, out["png"], out["load-png"])
+    figures = html.figures_for(rows, found.baseline, out["png"], out["load-png"])
     atomic_write_text(out["html"], html.render(f"ortforge: {model}", text, figures))
     summary = {
         "recommended": best.variant if best else None,
         "rule": cfg.model_dump(),
         "pareto_front": front,
         "variants": {row.variant: asdict(row) for row in rows},
-        "failed_validation": failed,
+        "failed_validation": found.failed,
         "validation": gates.summary(validations),
         "tasks": comparison,
         "under_load": {shown.variant: loads[shown.variant]},

@@ -255,6 +255,7 @@ def test_execution_providers_count_where_nodes_ran_and_how_far_the_logits_moved(
     error = RuntimeError("[ONNXRuntimeError] : 1 : FAIL :\n OpenVINO-EP: it could not convert QuantizeLinear-21")
     refused = eps.summarize([{"plugin_version": "1", "refused": eps.refusal(error)}], cpu)
     assert refused == {"plugin_version": "1", "refused": "OpenVINO-EP: it could not convert QuantizeLinear-21"}
+    assert eps.refusal(RuntimeError("")) == "RuntimeError"  # an error without a message still says something
     report["variants"]["w8a8"] = {eps.CPU: eps.summarize(cpu, None), "OpenVINO EP (its defaults)": refused}
     header, *_, last = eps.table(report).splitlines()
     assert "refused: OpenVINO-EP: it could not convert" in last and last.count("|") == header.count("|")

@@ -179,7 +179,7 @@ def test_speeds_from_two_machines_are_said_to_be_so(tmp_path, outputs):
 )
 def test_recommend_follows_the_rule(tmp_path, rule, expected):
     fake_reports(tmp_path / "variants")
-    rows, _, _, _ = report.collect(tmp_path / "variants", list(FIGURES))
+    rows = report.collect(tmp_path / "variants", list(FIGURES)).rows
     assert report.recommend(rows, rule, set(FIGURES)).variant == expected
     assert report.recommend(rows, rule, set(FIGURES) - {expected}) != expected  # the task gate's say
 
