@@ -8,7 +8,8 @@ Issue 23 names OpenVINO's kernels through onnxruntime as a route to prefill spee
 provider chosen per artifact by measurement. The plugin (PyPI onnxruntime-ep-openvino, which
 bundles OpenVINO) registers with our onnxruntime (register_execution_provider_library) and is
 never a dependency: benchmarks/peers/setup_ov_ep.sh installs it beside the repo. Each variant
-runs with the CPU provider at the settings bench tuned, and with the OpenVINO provider at its
+runs with the CPU provider at the settings bench tuned (onnxruntime's defaults where bench tuned
+them on another CPU, as the runtime does; the table says which), and with the OpenVINO provider at its
 defaults (bf16 activations where the CPU has them) and with f32 inference precision; each
 configuration in a fresh process, interleaved over rounds. Node placement comes from
 onnxruntime's profiler (the provider of every node a prefill ran). Writes
@@ -42,7 +43,7 @@ RESULTS = REPO / "benchmarks" / "results"
 PLUGIN_DIR = REPO.parent / "peers" / "ov-ep"  # where setup_ov_ep.sh installs the plugin
 PLUGIN_LIBRARY = "onnxruntime_ep_openvino/libonnxruntime_providers_openvino_plugin.so"
 OPENVINO = "OpenVINOExecutionProvider"
-CPU = "CPU EP (tuned settings)"
+CPU = "CPU EP"  # its row says which settings it ran with (bench's only on the CPU bench tuned them on)
 # OpenVINO's CPU properties per configuration (its load_config); None: the CPU provider.
 CONFIGS = {
     CPU: None,
@@ -187,8 +188,9 @@ def table(report: dict) -> str:
             change = f"{figures['largest_logit_change']:.2g} ({figures['logit_range']:.1f})" if name != CPU else "-"
             equal = f"{figures['greedy_tokens_equal']}/{report['new_tokens']}" if name != CPU else "-"
             prefill, step = figures["prefill_ms_p50"], figures["step_ms_p50"]
+            shown = f"{name} ({report['session_settings'][variant]})" if name == CPU else name
             lines.append(
-                f"| {variant} | {name} | {nodes.get(OPENVINO, 0)} / {on_cpu} | {kept if name != CPU else 'all'} "
+                f"| {variant} | {shown} | {nodes.get(OPENVINO, 0)} / {on_cpu} | {kept if name != CPU else 'all'} "
                 f"| {prefill:.1f} | x{prefill / cpu['prefill_ms_p50']:.2f} "
                 f"| {step:.2f} | x{step / cpu['step_ms_p50']:.2f} | {change} | {equal} |"
             )
@@ -223,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         variant: {name: summarize(found, None if name == CPU else configs[CPU]) for name, found in configs.items()}
         for variant, configs in runs.items()
     }
+    settings = {variant: provenance.settings_used(paths.variant_dir(args.model, variant)) for variant in args.variants}
     version = next(f["plugin_version"] for v in variants.values() for n, f in v.items() if n != CPU)
     report = {
         "provenance": provenance.record(
@@ -234,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         "new_tokens": NEW_TOKENS,
         "rounds": args.rounds,
         "variants": variants,
+        "session_settings": settings,  # every configuration's, the CPU provider's and OpenVINO's alike
     }
     print(table(report))
     RESULTS.mkdir(parents=True, exist_ok=True)

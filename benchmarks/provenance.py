@@ -24,6 +24,7 @@ LOCK = REPO / "dvc.lock"
 # What a measurement runs, besides the artifacts (the result files beside the benchmarks are not code:
 # a run that writes one while another's is uncommitted must not call the code modified).
 CODE = ("tasks", "ortforge", "benchmarks", "flows", ":(exclude)benchmarks/results")
+DEFAULT_SETTINGS = "onnxruntime's defaults"  # how settings_used starts when bench's settings do not apply here
 UNRECORDED = "it records no provenance (measured before result files said what they measured)"
 
 
@@ -108,7 +109,10 @@ def code_state(code: Iterable[str] = CODE) -> tuple[str, bool]:
 
 def record(refresh: str, paths: list[str] = (), peers: dict | None = None) -> dict:
     """The provenance a result file carries: the command that refreshes it, the commit (and
-    whether the code differed from it), dvc.lock's hashes of paths, and the peers' versions."""
+    whether the code differed from it), dvc.lock's hashes of paths, the peers' versions, and the
+    machine it ran on (its figures are true of that CPU: compare them as ratios within the file)."""
+    from ortforge import machine
+
     outputs = lock_outputs() if paths else {}
     commit, modified = code_state()
     return {
@@ -117,7 +121,28 @@ def record(refresh: str, paths: list[str] = (), peers: dict | None = None) -> di
         "code_modified": modified,
         "measured": {path: outputs[path]["md5"] for path in paths},
         "peers": peers or {},
+        "machine": machine.describe(),
     }
+
+
+def settings_used(folder: Path) -> str:
+    """Which session settings the runtime gives an artifact on this machine, said as a table cell:
+    bench's (its runtime.json) where bench tuned them on this CPU, onnxruntime's defaults where it
+    tuned them on another (ortforge.session.tuned_for, the rule SessionSettings.for_artifact applies)."""
+    import json
+
+    from ortforge import machine
+    from ortforge.manifest import runtime_config
+    from ortforge.session import tuned_for
+
+    path = runtime_config(folder)
+    if not path.is_file():
+        return f"{DEFAULT_SETTINGS} (never benched)"
+    tuned_on = json.loads(path.read_text(encoding="utf-8")).get("machine")
+    if tuned_on is None or tuned_for(tuned_on, machine.describe()):
+        return "tuned by bench (runtime.json)"
+    other = f"{tuned_on.get('cpu', 'another CPU')}, {'+'.join(tuned_on['features'])}"
+    return f"{DEFAULT_SETTINGS} (bench tuned it on {other})"
 
 
 def stale_stages(root: Path = REPO) -> list[str]:

@@ -247,7 +247,14 @@ def summarize(runs: list[dict], spec: dict, prompt_tokens: int, bandwidth: float
     }
 
 
+def with_settings(spec: dict) -> dict:
+    """The spec with the session settings its runs get here, when they are meant to be bench's:
+    those run only on the CPU bench tuned them on (provenance.settings_used)."""
+    return spec | {"settings": provenance.settings_used(Path(spec["path"]))} if spec.get("tuned") else spec
+
+
 def run_workload(specs: dict[str, dict], prompt: list[int], new_tokens: int, rounds: int, bandwidth: float) -> dict:
+    specs = {name: with_settings(spec) for name, spec in specs.items()}
     runs: dict[str, list] = {name: [] for name in specs}
     for round_index in range(rounds):
         for name, spec in specs.items():
@@ -265,8 +272,9 @@ def lighter(chain: dict) -> dict:
 
 
 def settings(spec: dict) -> str:
-    """Which settings a row ran with: each engine at its best as a user gets it, said per row."""
-    return "tuned by bench (runtime.json)" if spec.get("tuned") else "the engine's defaults"
+    """Which settings a row ran with: each engine at its best as a user gets it, said per row (bench's
+    own only where it tuned them on this CPU, as recorded when the row was measured)."""
+    return spec.get("settings", "the engine's defaults")
 
 
 def quality_cell(name: str, spec: dict, quality_found: dict) -> str:
@@ -317,8 +325,11 @@ def chain_table(long: dict) -> str:
     ]
     for name in long["order"]:
         r, factor = long["chain"][name], long["steps"].get(name)
+        ran_with = r["spec"].get("settings", "")
+        # a step named for bench's settings that did not get them here says so
+        shown = f"{name} ({ran_with})" if ran_with.startswith(provenance.DEFAULT_SETTINGS) else name
         lines.append(
-            f"| {name} | {r['end_to_end_seconds']:.1f} | {f'x{factor:.2f}' if factor else '-'} "
+            f"| {shown} | {r['end_to_end_seconds']:.1f} | {f'x{factor:.2f}' if factor else '-'} "
             f"| {r['decode_tokens_per_second']:.1f} | {r['seconds_to_first_token_p50']:.2f} | {r['peak_rss_mb']:.0f} |"
         )
     return "\n".join(lines)

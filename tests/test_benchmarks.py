@@ -3,10 +3,12 @@ greedy tokens (they are comparable), and the summaries compute what they say. No
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
-from benchmarks import engines, side_by_side
+from benchmarks import engines, provenance, side_by_side
 
 PROMPT = [5, 17, 99, 250, 3, 7, 11, 200]
 
@@ -64,6 +66,29 @@ def test_summarize_and_lighter_arithmetic():
     chain = {"a": {"end_to_end_seconds": 100.0}, "b": {"end_to_end_seconds": 10.0}, "c": {"end_to_end_seconds": 2.0}}
     light = side_by_side.lighter(chain)
     assert light["x_lighter"] == 50.0 and light["steps"] == {"b": 10.0, "c": 5.0}
+
+
+def test_a_step_that_ran_at_the_defaults_says_so(specs):
+    """A row meant to run at bench's settings records the settings it got here, and a chain step
+    named for tuned settings that got the defaults (bench tuned them on another CPU) says so."""
+    tuned = side_by_side.with_settings(specs["ort"])
+    assert tuned["settings"] == provenance.settings_used(Path(specs["ort"]["path"]))
+    assert "settings" not in side_by_side.with_settings(specs["ort-plain genai"])
+    assert side_by_side.settings(specs["ort-plain genai"]) == "the engine's defaults"
+    figures = {"end_to_end_seconds": 2.0, "decode_tokens_per_second": 50.0, "seconds_to_first_token_p50": 0.1}
+    figures |= {"peak_rss_mb": 100.0}
+    elsewhere = "onnxruntime's defaults (bench tuned it on X, avx2)"
+    long = {
+        "order": ["+ int4", "+ tuned session settings", "+ I/O binding"],
+        "steps": {"+ tuned session settings": 1.0, "+ I/O binding": 2.0},
+        "chain": {
+            "+ int4": figures | {"spec": {}},
+            "+ tuned session settings": figures | {"spec": {"tuned": True, "settings": elsewhere}},
+            "+ I/O binding": figures | {"spec": {"tuned": True, "settings": "tuned by bench (runtime.json)"}},
+        },
+    }
+    rows = side_by_side.chain_table(long).splitlines()[2:]
+    assert rows[1].startswith(f"| + tuned session settings ({elsewhere}) |") and rows[2].startswith("| + I/O binding |")
 
 
 def test_memory_bandwidth_is_measured():
@@ -249,8 +274,11 @@ def test_execution_providers_count_where_nodes_ran_and_how_far_the_logits_moved(
     assert other["greedy_tokens_equal"] == 2 and other["prefill_ms_p50"] == 60.0 and other["step_ms_p50"] == 6.0
     assert eps.summarize(cpu + cpu, cpu)["greedy_tokens_equal"] == 4  # all equal: every token
     report = {"new_tokens": 4, "variants": {"int4": {eps.CPU: eps.summarize(cpu, None), "OpenVINO EP (f32)": other}}}
-    row = eps.table(report).splitlines()[-1]
+    elsewhere = "onnxruntime's defaults (bench tuned it on X, avx2)"
+    report["session_settings"] = {"int4": elsewhere, "w8a8": "tuned by bench (runtime.json)"}
+    cpu_row, row = eps.table(report).splitlines()[-2:]
     assert "| 2 / 1 | GQA 1 | 60.0 | x0.60 |" in row and "| 1 (10.0) | 2/4 |" in row
+    assert f"| int4 | CPU EP ({elsewhere}) |" in cpu_row  # what it ran with
     # a provider that will not load a graph: its row says why, with as many cells as the header
     error = RuntimeError("[ONNXRuntimeError] : 1 : FAIL :\n OpenVINO-EP: it could not convert QuantizeLinear-21")
     refused = eps.summarize([{"plugin_version": "1", "refused": eps.refusal(error)}], cpu)

@@ -8,6 +8,7 @@ import re
 
 import pytest
 
+from ortforge import machine
 from scripts import readme_figures
 from tests.conftest import REPO
 
@@ -109,8 +110,30 @@ def test_a_measurement_records_the_locked_hashes_of_what_it_read():
     found = provenance.record("python benchmarks/x.py --model smollm2-135m", [path])
     assert found["measured"] == {path: provenance.lock_outputs()[path]["md5"]}
     assert len(found["commit"]) == 40 and found["refresh"] == "python benchmarks/x.py --model smollm2-135m"
+    assert found["machine"] == machine.describe()  # figures are true of the CPU they ran on
     with pytest.raises(SystemExit, match="artifacts/nothing not in dvc.lock; run `dvc repro` first"):
         provenance.require_current(["artifacts/nothing"])
+
+
+def test_a_row_says_bench_settings_only_where_the_runtime_uses_them(tmp_path):
+    """A benchmark row meant to run at bench's settings says what it got on this machine: bench's
+    where they were tuned on this CPU, onnxruntime's defaults (naming the other CPU) where they were
+    not, as SessionSettings.for_artifact decides."""
+    from benchmarks import provenance
+    from ortforge.manifest import runtime_config
+    from ortforge.session import SessionSettings
+
+    folder = tmp_path / "int4"
+    folder.mkdir()
+    assert provenance.settings_used(folder) == "onnxruntime's defaults (never benched)"
+    tuned = SessionSettings(intra_op_threads=1, graph_level="basic").to_dict()
+    here, elsewhere = machine.describe(), {"cpu": "Some Other CPU", "features": ["avx2"]}
+    saying = {"here": "tuned by bench (runtime.json)", "elsewhere": "defaults (bench tuned it on Some Other CPU, avx2)"}
+    for tuned_on, said in ((here, saying["here"]), (elsewhere, saying["elsewhere"])):
+        runtime_config(folder).write_text(json.dumps({"session": tuned, "machine": tuned_on}), encoding="utf-8")
+        assert provenance.settings_used(folder).endswith(said)
+        runs_tuned = SessionSettings.for_artifact(folder) == SessionSettings.from_dict(tuned)
+        assert runs_tuned == (tuned_on is here)  # the label and the runtime agree
 
 
 def test_refresh_lists_every_result_file_with_its_state_and_command(capsys):
