@@ -138,11 +138,13 @@ def settings_used(folder: Path) -> str:
     path = runtime_config(folder)
     if not path.is_file():
         return f"{DEFAULT_SETTINGS} (never benched)"
-    tuned_on = json.loads(path.read_text(encoding="utf-8")).get("machine")
-    if tuned_on is None or tuned_for(tuned_on, machine.describe()):
+    tuned_on, here = json.loads(path.read_text(encoding="utf-8")).get("machine"), machine.describe()
+    if tuned_on is None or tuned_for(tuned_on, here):
         return "tuned by bench (runtime.json)"
-    other = f"{tuned_on.get('cpu', 'another CPU')}, {'+'.join(tuned_on['features'])}"
-    return f"{DEFAULT_SETTINGS} (bench tuned it on {other})"
+    if tuned_on.get("cpu") not in (None, here["cpu"]):
+        return f"{DEFAULT_SETTINGS} (bench tuned it on {tuned_on['cpu']})"
+    missing = [name for name in tuned_on["features"] if name not in here["features"]]
+    return f"{DEFAULT_SETTINGS} (bench tuned it on a CPU with {'+'.join(missing)})"
 
 
 def stale_stages(root: Path = REPO) -> list[str]:

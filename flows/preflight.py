@@ -191,14 +191,39 @@ def check_exporters(root: Path, params) -> None:
             raise StageError(f"params.yaml models.{name}: {refused}")
 
 
+def check_per_token_opset(root: Path, params) -> None:
+    """StageError naming the build when an int8_per_token variant (w8a8) meets a graph its opset
+    cannot hold: its blocked QuantizeLinear is opset 21, and optimum's export below 18 cannot be
+    raised to it. Quantize would refuse it only after export, optimize and reference ran; the other
+    exporters pick their own opset."""
+    from tasks.graphs import exporters
+    from tasks.quantization.writer import BLOCKED_QUANTIZE_OPSET, RAISABLE_FROM
+
+    if params.export.opset >= RAISABLE_FROM:
+        return
+    for name, config in text_configs(root, params):
+        per_token = [v for v in params.variants_of(name) if params.variant(v).method == "int8_per_token"]
+        choice = params.models[name].exporter
+        refused = exporters.refusals(config, choice) if per_token else {}
+        chosen = next((e for e in exporters.candidates(choice) if e not in refused), None)
+        if per_token and chosen == "optimum":
+            raise StageError(
+                f"params.yaml builds {name}-{per_token[0]}: int8_per_token writes opset {BLOCKED_QUANTIZE_OPSET} "
+                f"nodes, and {name}'s optimum export at export.opset {params.export.opset} cannot be raised to it "
+                f"(below {RAISABLE_FROM}); set export.opset to {RAISABLE_FROM} or above"
+            )
+
+
 def before_build(root: Path, say: Callable[[str], object] = _warn) -> None:
     """StageError (one line) when the params are invalid, name a path that does not exist, a model
-    no exporter takes, blocks a model's widths cannot hold, a task set with a bad row, or an output
+    no exporter takes, blocks a model's widths cannot hold, a w8a8 its export's opset cannot hold, a
+    task set with a bad row, or an output
     cannot be written; cache objects written in place are dropped, saying so."""
     params = load_params(Path(root) / paths.PARAMS)
     check_named_paths(root, params)
     check_exporters(root, params)
     check_block_sizes(root, params)
+    check_per_token_opset(root, params)
     check_task_sets(root, params)
     cache_links.remove_damaged(Path(root), say)
     tidy(root)

@@ -5,6 +5,7 @@ bench without tuning still writes the settings it measured with."""
 
 from __future__ import annotations
 
+import copy
 import fcntl
 import json
 import logging
@@ -21,7 +22,7 @@ import pytest
 from flows.dvc import BUILD_LOCK
 from ortforge import machine
 from ortforge.session import SessionSettings, runtime_config
-from tests.conftest import REPO, dvc, fresh_clone, set_param, tiny_params, write_params
+from tests.conftest import REPO, TINY_PARAMS, dvc, fresh_clone, set_param, tiny_params, write_params
 
 # bench@tiny-fp32 runs first; its measurements are what a failing run would delete.
 MEASURED = ("artifacts/tiny/variants/fp32.runtime.json", "reports/tiny/variants/fp32/bench.json")
@@ -147,12 +148,12 @@ def test_build_refuses_a_path_params_names_that_does_not_exist_before_dvc(built,
     assert err.count("\n") == 1 and not (tmp_path / "logs").exists()  # DVC never started
 
 
-def refused_before_dvc(tmp_path, capsys, source) -> str:
-    """`ortforge build` of the tiny project over a local model folder: its one-line refusal, after
-    checking that it is one line and that DVC never started."""
+def refused_before_dvc(tmp_path, capsys, source, **changed) -> str:
+    """`ortforge build` of the tiny project over a local model folder (with changed sections of its
+    params): its one-line refusal, after checking that it is one line and that DVC never started."""
     from ortforge import cli
 
-    params = tiny_params(source)
+    params = tiny_params(source, **changed)
     params.setdefault("bench", {})
     write_params(tmp_path, params)
     for folder in ("eval", "tasks"):
@@ -173,6 +174,25 @@ def test_build_refuses_blocks_a_models_widths_cannot_hold_before_dvc(tmp_path, c
     err = refused_before_dvc(tmp_path, capsys, source)
     assert err.startswith("error: params.yaml builds tiny-int8: tiny's intermediate_size is 72, which no block"), err
     assert "build tiny with method int8_dynamic or fp16 instead of int8" in err
+
+
+def test_build_refuses_a_w8a8_its_exports_opset_cannot_hold_before_dvc(tiny_hf, tmp_path, capsys):
+    """w8a8 writes opset-21 nodes, which optimum's export at opset 17 cannot be raised to; with
+    exporter auto, ortforge's own exporter (tried first, its own opset) takes the model, so it passes."""
+    from flows import preflight
+    from tasks.core.params import load_params
+
+    changed = copy.deepcopy({key: TINY_PARAMS[key] for key in ("models", "quantize", "validate")})
+    changed["quantize"]["w8a8"] = {"method": "int8_per_token"}
+    changed["validate"]["thresholds"]["w8a8"] = changed["validate"]["thresholds"]["int4"]
+    changed |= {"builds": {"tiny-w8a8": {"model": "tiny", "variant": "w8a8"}}, "export": {"opset": 17}}
+    changed["models"]["tiny"] |= {"exporter": "optimum", "source": {"kind": "local", "path": str(tiny_hf)}}
+    err = refused_before_dvc(tmp_path, capsys, tiny_hf, **changed)
+    assert err.startswith("error: params.yaml builds tiny-w8a8: int8_per_token writes opset 21 nodes"), err
+    assert err.rstrip().endswith("cannot be raised to it (below 18); set export.opset to 18 or above"), err
+    changed["models"]["tiny"]["exporter"] = "auto"  # ortforge's own exporter takes the tiny Llama first
+    write_params(tmp_path, tiny_params(tiny_hf, **changed))
+    preflight.check_per_token_opset(tmp_path, load_params(tmp_path / "params.yaml"))
 
 
 def test_build_refuses_a_model_no_exporter_takes_before_dvc(tmp_path, capsys):

@@ -127,9 +127,15 @@ def test_a_row_says_bench_settings_only_where_the_runtime_uses_them(tmp_path):
     folder.mkdir()
     assert provenance.settings_used(folder) == "onnxruntime's defaults (never benched)"
     tuned = SessionSettings(intra_op_threads=1, graph_level="basic").to_dict()
-    here, elsewhere = machine.describe(), {"cpu": "Some Other CPU", "features": ["avx2"]}
-    saying = {"here": "tuned by bench (runtime.json)", "elsewhere": "defaults (bench tuned it on Some Other CPU, avx2)"}
-    for tuned_on, said in ((here, saying["here"]), (elsewhere, saying["elsewhere"])):
+    here = machine.describe()
+    elsewhere = {"cpu": "Some Other CPU", "features": ["avx2"]}
+    richer = {"cpu": here["cpu"], "features": [*here["features"], "amx_tile", "amx_bf16"]}  # what this CPU lacks
+    saying = {
+        "here": "tuned by bench (runtime.json)",
+        "elsewhere": "defaults (bench tuned it on Some Other CPU)",
+        "richer": "defaults (bench tuned it on a CPU with amx_tile+amx_bf16)",
+    }
+    for tuned_on, said in ((here, saying["here"]), (elsewhere, saying["elsewhere"]), (richer, saying["richer"])):
         runtime_config(folder).write_text(json.dumps({"session": tuned, "machine": tuned_on}), encoding="utf-8")
         assert provenance.settings_used(folder).endswith(said)
         runs_tuned = SessionSettings.for_artifact(folder) == SessionSettings.from_dict(tuned)
