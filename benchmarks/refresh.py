@@ -37,6 +37,7 @@ COMMANDS = {
     "server_soak.json": "python benchmarks/server_soak.py",
     "structured.json": "python benchmarks/structured.py",
     "kernels.json": "python benchmarks/kernels.py",
+    "attention.json": "python benchmarks/attention.py",
     "load_peers.json": "python benchmarks/load_peers.py",
     "load_peers-gemma3-270m.json": "python benchmarks/load_peers.py --model gemma3-270m",
     "execution_providers.json": "python benchmarks/execution_providers.py",

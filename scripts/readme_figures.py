@@ -24,6 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks import (  # noqa: E402
+    attention,
     continuations,
     execution_providers,
     kernels,
@@ -418,6 +419,17 @@ def kernel_rows() -> str:
     return "\n".join([head, "", kernels.table(report)])
 
 
+def attention_rows() -> str:
+    report = _json(RESULTS / "attention.json")
+    ran_on = report["provenance"]["machine"]
+    head = (
+        f"onnxruntime {report['onnxruntime']}, {report['threads']} threads, {ran_on['cpu']} "
+        f"({'+'.join(ran_on['features'])}); microseconds per layer (one GroupQueryAttention, rotary inside, "
+        "its KV buffers streamed from memory); a step's rows each hold `context` tokens:"
+    )
+    return "\n".join([head, "", attention.table(report)])
+
+
 def _load_peers_report(model: str) -> dict:
     return _json(RESULTS / f"{load_peers.result_name(model)}.json")
 
@@ -470,6 +482,7 @@ RENDERERS = {
     "server-soak": server_soak,
     "structured": structured,
     "kernels": kernel_rows,
+    "attention": attention_rows,
     "load-peers": load_peers_tables,
     "task-ab-smollm2-135m": lambda: task_ab_table("smollm2-135m"),
     "task-ab-gemma3-270m": lambda: task_ab_table("gemma3-270m"),

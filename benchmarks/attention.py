@@ -1,0 +1,260 @@
+"""Why a batched decode step's attention does not amortize as its matmuls do: onnxruntime's
+GroupQueryAttention alone, at real models' attention shapes, as the variants run it (rotary inside,
+one KV buffer per layer shared by past and present, each row attending to its own length).
+
+A matmul reads its weights once for every row of a step (benchmarks/kernels.py: x1.1-1.2 at 8
+rows), but each row of a step has a KV cache of its own, so attention's work grows with the rows
+whatever the kernel. What is left to win is the cost per row: this times a decode step of 1, 4 and
+8 rows at several context lengths, and a one-row prompt's prefill, with the float cache the variants
+keep by default and the int8 cache `kv_cache: int8` stores (static per-channel scales, onnxruntime
+1.32's quantized GroupQueryAttention), so the choice of cache is a measured trade.
+
+Each configuration cycles through enough distinct KV buffers to outgrow the CPU's last-level cache
+(a model's layers each read their own cache; one small buffer run again and again would sit in
+cache). Random keys and values: speed does not depend on them.
+
+    python benchmarks/attention.py [--models smollm2-135m,gemma3-270m,llama-3.2-1b] [--rows 1,4,8]
+                                   [--contexts 128,1024] [--prompts 128,1024]
+
+Writes benchmarks/results/attention.json and prints the table. Needs no build.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks import provenance  # noqa: E402
+from tasks.core.files import atomic_write_json  # noqa: E402
+from tasks.quantization import kv_cache  # noqa: E402
+
+RESULTS = REPO / "benchmarks" / "results"
+# (num_attention_heads, num_key_value_heads, head_dim) from each model's config.json.
+SHAPES = {
+    "smollm2-135m": (9, 3, 64),
+    "gemma3-270m": (4, 1, 256),
+    "qwen2.5-0.5b": (14, 2, 64),
+    "llama-3.2-1b": (32, 8, 64),
+    "llama-3.1-8b": (32, 8, 128),
+}
+CACHES = {"float": None, "int8": 8}  # kv_cache as params.yaml names it: its stored bits
+FALLBACK_CACHE_BYTES = 32 << 20  # when the system does not say how large its last-level cache is
+MAX_BUFFERS = 64
+TIMED_SECONDS = 1.0
+
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache the system reports (sysfs), or FALLBACK_CACHE_BYTES."""
+    found = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            size = (index / "size").read_text(encoding="utf-8").strip()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        found.append(int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size))
+    return max(found, default=FALLBACK_CACHE_BYTES)
+
+
+def buffers_for(buffer_bytes: int, cache_bytes: int) -> int:
+    """Distinct KV buffers whose bytes together are twice the last-level cache (at most MAX_BUFFERS)."""
+    return max(1, min(MAX_BUFFERS, math.ceil(2 * cache_bytes / buffer_bytes)))
+
+
+def attention_model(heads: int, kv_heads: int, head_dim: int, bits: int | None) -> bytes:
+    """One GroupQueryAttention node as the variants' graphs hold it, its past and present one buffer."""
+    from onnx import TensorProto, helper
+
+    stored = TensorProto.INT8 if bits else TensorProto.FLOAT
+    info = helper.make_tensor_value_info
+    inputs = [
+        info("query", TensorProto.FLOAT, ["B", "S", heads * head_dim]),
+        info("key", TensorProto.FLOAT, ["B", "S", kv_heads * head_dim]),
+        info("value", TensorProto.FLOAT, ["B", "S", kv_heads * head_dim]),
+        info("past_key", stored, ["B", kv_heads, "L", head_dim]),
+        info("past_value", stored, ["B", kv_heads, "L", head_dim]),
+        info("seqlens_k", TensorProto.INT32, ["B", 1]),
+        info("total_sequence_length", TensorProto.INT32, []),
+        info("cos_cache", TensorProto.FLOAT, ["P", head_dim // 2]),
+        info("sin_cache", TensorProto.FLOAT, ["P", head_dim // 2]),
+    ]
+    outputs = [
+        info("output", TensorProto.FLOAT, ["B", "S", heads * head_dim]),
+        info("present_key", stored, ["B", kv_heads, "L", head_dim]),
+        info("present_value", stored, ["B", kv_heads, "L", head_dim]),
+    ]
+    names = [i.name for i in inputs]
+    attributes = {"num_heads": heads, "kv_num_heads": kv_heads, "do_rotary": 1, "scale": head_dim**-0.5}
+    initializers = []
+    if bits:  # the quantized cache's per-channel scales, where tasks/quantization/kv_cache.py puts them
+        names += [""] * (kv_cache.V_SCALE_INPUT + 1 - len(names))
+        names[kv_cache.K_SCALE_INPUT], names[kv_cache.V_SCALE_INPUT] = "k_scale", "v_scale"
+        scale = np.full(kv_heads * head_dim, 0.05, dtype=np.float32)
+        dims = [1, kv_heads, 1, head_dim]
+        initializers = [helper.make_tensor(n, TensorProto.FLOAT, dims, scale) for n in ("k_scale", "v_scale")]
+        attributes |= {"k_quant_type": "PER_CHANNEL", "v_quant_type": "PER_CHANNEL", "kv_cache_bit_width": bits}
+    outputs_named = [o.name for o in outputs]
+    node = helper.make_node("GroupQueryAttention", names, outputs_named, domain="com.microsoft", **attributes)
+    graph = helper.make_graph([node], "attention", inputs, outputs, initializers)
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets).SerializeToString()
+
+
+def bindings(session, shape: tuple[int, int, int], rows: int, new: int, held: int, bits: int | None, count: int):
+    """count I/O bindings of a run of `new` tokens in each of `rows` rows holding `held` tokens
+    already, each over KV buffers of its own (shared by past and present, as BatchDecoder binds
+    them), and those buffers (the bindings view their memory)."""
+    import onnxruntime as ort
+
+    heads, kv_heads, head_dim = shape
+    rng = np.random.default_rng(rows * 1000 + held)
+    room = held + new
+    angles = np.outer(np.arange(room), 1e-4 ** (np.arange(head_dim // 2) / (head_dim // 2))).astype(np.float32)
+    feeds = {
+        "query": rng.standard_normal((rows, new, heads * head_dim), dtype=np.float32),
+        "key": rng.standard_normal((rows, new, kv_heads * head_dim), dtype=np.float32),
+        "value": rng.standard_normal((rows, new, kv_heads * head_dim), dtype=np.float32),
+        "seqlens_k": np.full((rows, 1), room - 1, dtype=np.int32),
+        "total_sequence_length": np.array(room, dtype=np.int32),
+        "cos_cache": np.cos(angles),
+        "sin_cache": np.sin(angles),
+    }
+    runs, buffers = [], []
+    for _ in range(count):
+        binding = session.io_binding()
+        for name, value in feeds.items():
+            binding.bind_cpu_input(name, value)
+        for kind in ("key", "value"):
+            cache = rng.integers(-100, 100, (rows, kv_heads, room, head_dim)).astype(np.int8 if bits else np.float32)
+            buffer = ort.OrtValue.ortvalue_from_numpy(cache)  # a view of cache's memory: keep cache alive
+            binding.bind_ortvalue_input(f"past_{kind}", buffer)
+            binding.bind_ortvalue_output(f"present_{kind}", buffer)
+            buffers.append(cache)
+        binding.bind_output("output")
+        runs.append(binding)
+    return runs, buffers
+
+
+def time_runs(session, runs: list) -> float:
+    """Median seconds of one run over about TIMED_SECONDS (at least 5 runs), cycling through the
+    runs' bindings, after warm-up runs."""
+    for binding in runs[:3]:
+        session.run_with_iobinding(binding)
+    times, deadline = [], time.perf_counter() + TIMED_SECONDS
+    while len(times) < 5 or time.perf_counter() < deadline:
+        binding = runs[len(times) % len(runs)]
+        started = time.perf_counter()
+        session.run_with_iobinding(binding)
+        times.append(time.perf_counter() - started)
+    return float(np.median(times))
+
+
+def measure(model: str, rows: list[int], contexts: list[int], prompts: list[int], threads: int) -> dict:
+    """Microseconds per layer of each cache's decode steps (by context, then rows) and prefills (by
+    prompt tokens), as a model's one attention layer runs them."""
+    import onnxruntime as ort
+
+    shape = SHAPES[model]
+    heads, kv_heads, head_dim = shape
+    llc = last_level_cache_bytes()
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    found = {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "caches": {}}
+    for cache, bits in CACHES.items():
+        session = ort.InferenceSession(attention_model(*shape, bits), options, providers=["CPUExecutionProvider"])
+        element = 1 if bits else 4
+        decode = {}
+        for context in contexts:
+            decode[str(context)] = {}
+            for r in rows:
+                count = buffers_for(2 * r * kv_heads * (context + 1) * head_dim * element, llc)
+                runs, _kept = bindings(session, shape, r, 1, context, bits, count)
+                decode[str(context)][str(r)] = time_runs(session, runs) * 1e6
+        prefill = {}
+        for tokens in prompts:
+            count = buffers_for(2 * kv_heads * tokens * head_dim * element, llc)
+            runs, _kept = bindings(session, shape, 1, tokens, 0, bits, count)
+            prefill[str(tokens)] = time_runs(session, runs) * 1e6
+        found["caches"][cache] = {"decode_us_per_layer": decode, "prefill_us_per_layer": prefill}
+        print(f"  {model} {cache} cache: decode {decode}, prefill {prefill}", flush=True)
+    return found
+
+
+def onnxruntime_version() -> str:
+    import onnxruntime as ort
+
+    return ort.__version__
+
+
+def growth(times: dict, rows: int) -> float | None:
+    """A step's time at `rows` rows over its time at one."""
+    return times[str(rows)] / times["1"] if str(rows) in times and "1" in times else None
+
+
+def table(report: dict) -> str:
+    """One row per model, cache and context: decode microseconds per layer at each row count, the
+    growth to the most rows, and the prefill times (one-row prompts) beside it."""
+    rows, prompts, most = report["rows"], report["prompts"], max(report["rows"])
+    head = "| model (heads / kv heads x dim) | cache | context | " + " | ".join(
+        f"step us, {r} row{'s' * (r > 1)}" for r in rows
+    )
+    head += f" | x at {most} rows | " + " | ".join(f"prefill {t} tokens, us" for t in prompts) + " |"
+    lines = [head, "|---|---|---|" + "---|" * (len(rows) + 1 + len(prompts))]
+    for model, found in report["models"].items():
+        label = f"{model} ({found['heads']} / {found['kv_heads']} x {found['head_dim']})"
+        for cache, figures in found["caches"].items():
+            for context, times in figures["decode_us_per_layer"].items():
+                cells = " | ".join(f"{times[str(r)]:,.0f}" for r in rows)
+                grown = growth(times, most)
+                prefill = " | ".join(f"{figures['prefill_us_per_layer'][str(t)]:,.0f}" for t in prompts)
+                lines.append(
+                    f"| {label} | {cache} | {int(context):,} | {cells} | "
+                    f"{'-' if grown is None else f'x{grown:.2f}'} | {prefill} |"
+                )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="smollm2-135m,gemma3-270m,llama-3.2-1b")
+    parser.add_argument("--rows", default="1,4,8")
+    parser.add_argument("--contexts", default="128,1024", help="tokens each row holds before the step")
+    parser.add_argument("--prompts", default="128,1024", help="one-row prompts to prefill")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    args = parser.parse_args(argv)
+    models = args.models.split(",")
+    unknown = [m for m in models if m not in SHAPES]
+    if unknown:
+        raise SystemExit(f"error: unknown model {unknown[0]}; pick from {', '.join(SHAPES)}")
+    numbers = {key: [int(n) for n in getattr(args, key).split(",")] for key in ("rows", "contexts", "prompts")}
+    if 1 not in numbers["rows"]:
+        raise SystemExit("error: --rows must include 1 (each step's growth is against one row)")
+    report = {
+        "provenance": provenance.record(provenance.command("attention.py", argv)),
+        "onnxruntime": onnxruntime_version(),
+        "cpus": os.cpu_count(),
+        "threads": args.threads,
+        "last_level_cache_bytes": last_level_cache_bytes(),
+        **numbers,
+        "models": {
+            m: measure(m, numbers["rows"], numbers["contexts"], numbers["prompts"], args.threads) for m in models
+        },
+    }
+    print(table(report))
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(RESULTS / "attention.json", report)
+    print(f"wrote {RESULTS / 'attention.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
