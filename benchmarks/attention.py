@@ -34,6 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks import provenance  # noqa: E402
+from benchmarks.kernels import ratio  # noqa: E402  (a step's time at some rows over one row's)
 from tasks.core.files import atomic_write_json  # noqa: E402
 from tasks.quantization import kv_cache  # noqa: E402
 
@@ -195,11 +196,6 @@ def onnxruntime_version() -> str:
     return ort.__version__
 
 
-def growth(times: dict, rows: int) -> float | None:
-    """A step's time at `rows` rows over its time at one."""
-    return times[str(rows)] / times["1"] if str(rows) in times and "1" in times else None
-
-
 def table(report: dict) -> str:
     """One row per model, cache and context: decode microseconds per layer at each row count, the
     growth to the most rows, and the prefill times (one-row prompts) beside it."""
@@ -214,7 +210,7 @@ def table(report: dict) -> str:
         for cache, figures in found["caches"].items():
             for context, times in figures["decode_us_per_layer"].items():
                 cells = " | ".join(f"{times[str(r)]:,.0f}" for r in rows)
-                grown = growth(times, most)
+                grown = ratio(times, most)
                 prefill = " | ".join(f"{figures['prefill_us_per_layer'][str(t)]:,.0f}" for t in prompts)
                 lines.append(
                     f"| {label} | {cache} | {int(context):,} | {cells} | "

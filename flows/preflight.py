@@ -203,10 +203,11 @@ def check_per_token_opset(root: Path, params) -> None:
         return
     for name, config in text_configs(root, params):
         per_token = [v for v in params.variants_of(name) if params.variant(v).method == "int8_per_token"]
+        if not per_token:
+            continue
         choice = params.models[name].exporter
-        refused = exporters.refusals(config, choice) if per_token else {}
-        chosen = next((e for e in exporters.candidates(choice) if e not in refused), None)
-        if per_token and chosen == "optimum":
+        refused = exporters.refusals(config, choice)
+        if next((e for e in exporters.candidates(choice) if e not in refused), None) == "optimum":
             raise StageError(
                 f"params.yaml builds {name}-{per_token[0]}: int8_per_token writes opset {BLOCKED_QUANTIZE_OPSET} "
                 f"nodes, and {name}'s optimum export at export.opset {params.export.opset} cannot be raised to it "
@@ -217,8 +218,8 @@ def check_per_token_opset(root: Path, params) -> None:
 def before_build(root: Path, say: Callable[[str], object] = _warn) -> None:
     """StageError (one line) when the params are invalid, name a path that does not exist, a model
     no exporter takes, blocks a model's widths cannot hold, a w8a8 its export's opset cannot hold, a
-    task set with a bad row, or an output
-    cannot be written; cache objects written in place are dropped, saying so."""
+    task set with a bad row, or an output cannot be written; cache objects written in place are
+    dropped, saying so."""
     params = load_params(Path(root) / paths.PARAMS)
     check_named_paths(root, params)
     check_exporters(root, params)
