@@ -9,9 +9,11 @@ whatever the kernel. What is left to win is the cost per row: this times a decod
 keep by default and the int8 cache `kv_cache: int8` stores (static per-channel scales, onnxruntime
 1.32's quantized GroupQueryAttention), so the choice of cache is a measured trade.
 
-Each configuration cycles through enough distinct KV buffers to outgrow the CPU's last-level cache
-(a model's layers each read their own cache; one small buffer run again and again would sit in
-cache). Random keys and values: speed does not depend on them.
+Each configuration cycles through as many distinct KV buffers as the model has layers, so the runs
+read what a whole step reads (each layer its own cache; one small buffer run again and again would
+sit in the CPU's cache, and a long context's would not). In a real step the weights stream between
+the layers too, so this is a kernel's view, not a step's. Random keys and values: speed does not
+depend on them.
 
     python benchmarks/attention.py [--models smollm2-135m,gemma3-270m,llama-3.2-1b] [--rows 1,4,8]
                                    [--contexts 128,1024] [--prompts 128,1024]
@@ -22,7 +24,6 @@ Writes benchmarks/results/attention.json and prints the table. Needs no build.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -39,36 +40,16 @@ from tasks.core.files import atomic_write_json  # noqa: E402
 from tasks.quantization import kv_cache  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
-# (num_attention_heads, num_key_value_heads, head_dim) from each model's config.json.
+# (num_attention_heads, num_key_value_heads, head_dim, num_hidden_layers) from each model's config.json.
 SHAPES = {
-    "smollm2-135m": (9, 3, 64),
-    "gemma3-270m": (4, 1, 256),
-    "qwen2.5-0.5b": (14, 2, 64),
-    "llama-3.2-1b": (32, 8, 64),
-    "llama-3.1-8b": (32, 8, 128),
+    "smollm2-135m": (9, 3, 64, 30),
+    "gemma3-270m": (4, 1, 256, 18),
+    "qwen2.5-0.5b": (14, 2, 64, 24),
+    "llama-3.2-1b": (32, 8, 64, 16),
+    "llama-3.1-8b": (32, 8, 128, 32),
 }
 CACHES = {"float": None, "int8": 8}  # kv_cache as params.yaml names it: its stored bits
-FALLBACK_CACHE_BYTES = 32 << 20  # when the system does not say how large its last-level cache is
-MAX_BUFFERS = 64
 TIMED_SECONDS = 1.0
-
-
-def last_level_cache_bytes() -> int:
-    """The largest CPU cache the system reports (sysfs), or FALLBACK_CACHE_BYTES."""
-    found = []
-    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
-        try:
-            size = (index / "size").read_text(encoding="utf-8").strip()
-        except OSError:
-            continue
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-        found.append(int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size))
-    return max(found, default=FALLBACK_CACHE_BYTES)
-
-
-def buffers_for(buffer_bytes: int, cache_bytes: int) -> int:
-    """Distinct KV buffers whose bytes together are twice the last-level cache (at most MAX_BUFFERS)."""
-    return max(1, min(MAX_BUFFERS, math.ceil(2 * cache_bytes / buffer_bytes)))
 
 
 def attention_model(heads: int, kv_heads: int, head_dim: int, bits: int | None) -> bytes:
@@ -164,26 +145,22 @@ def measure(model: str, rows: list[int], contexts: list[int], prompts: list[int]
     prompt tokens), as a model's one attention layer runs them."""
     import onnxruntime as ort
 
-    shape = SHAPES[model]
-    heads, kv_heads, head_dim = shape
-    llc = last_level_cache_bytes()
+    heads, kv_heads, head_dim, layers = SHAPES[model]
+    shape = (heads, kv_heads, head_dim)
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
-    found = {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "caches": {}}
+    found = {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "layers": layers, "caches": {}}
     for cache, bits in CACHES.items():
         session = ort.InferenceSession(attention_model(*shape, bits), options, providers=["CPUExecutionProvider"])
-        element = 1 if bits else 4
         decode = {}
         for context in contexts:
             decode[str(context)] = {}
             for r in rows:
-                count = buffers_for(2 * r * kv_heads * (context + 1) * head_dim * element, llc)
-                runs, _kept = bindings(session, shape, r, 1, context, bits, count)
+                runs, _kept = bindings(session, shape, r, 1, context, bits, layers)
                 decode[str(context)][str(r)] = time_runs(session, runs) * 1e6
         prefill = {}
         for tokens in prompts:
-            count = buffers_for(2 * kv_heads * tokens * head_dim * element, llc)
-            runs, _kept = bindings(session, shape, 1, tokens, 0, bits, count)
+            runs, _kept = bindings(session, shape, 1, tokens, 0, bits, layers)
             prefill[str(tokens)] = time_runs(session, runs) * 1e6
         found["caches"][cache] = {"decode_us_per_layer": decode, "prefill_us_per_layer": prefill}
         print(f"  {model} {cache} cache: decode {decode}, prefill {prefill}", flush=True)
@@ -239,7 +216,6 @@ def main(argv: list[str] | None = None) -> int:
         "onnxruntime": onnxruntime_version(),
         "cpus": os.cpu_count(),
         "threads": args.threads,
-        "last_level_cache_bytes": last_level_cache_bytes(),
         **numbers,
         "models": {
             m: measure(m, numbers["rows"], numbers["contexts"], numbers["prompts"], args.threads) for m in models

@@ -425,7 +425,7 @@ def attention_rows() -> str:
     head = (
         f"onnxruntime {report['onnxruntime']}, {report['threads']} threads, {ran_on['cpu']} "
         f"({'+'.join(ran_on['features'])}); microseconds per layer (one GroupQueryAttention, rotary inside, "
-        "its KV buffers streamed from memory); a step's rows each hold `context` tokens:"
+        "the runs cycling through one KV buffer per layer of the model); a step's rows each hold `context` tokens:"
     )
     return "\n".join([head, "", attention.table(report)])
 

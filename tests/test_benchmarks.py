@@ -99,7 +99,7 @@ def test_attention_times_each_cache_at_each_row_count_and_writes_in_place(monkey
     from benchmarks import attention
 
     monkeypatch.setattr(attention, "TIMED_SECONDS", 0.01)
-    monkeypatch.setitem(attention.SHAPES, "tiny", (4, 2, 16))
+    monkeypatch.setitem(attention.SHAPES, "tiny", (4, 2, 16, 2))
     found = attention.measure("tiny", rows=[1, 2], contexts=[8], prompts=[4], threads=1)
     assert set(found["caches"]) == {"float", "int8"}
     for figures in found["caches"].values():
