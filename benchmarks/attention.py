@@ -17,7 +17,7 @@ at the scale of real ones (unit normal; int8 codes over their range, at a scale 
 hundred times larger made softmax underflow into denormal floats, and a float step ran x2.3 slower.
 
     python benchmarks/attention.py [--models smollm2-135m,gemma3-270m,llama-3.2-1b] [--rows 1,4,8]
-                                   [--contexts 128,1024] [--prompts 128,1024]
+                                   [--contexts 128,1024] [--prompts 128,1024] [--rounds 3]
 
 Writes benchmarks/results/attention.json and prints the table. Needs no build.
 """
@@ -145,30 +145,37 @@ def time_runs(session, runs: list) -> float:
     return float(np.median(times))
 
 
-def measure(model: str, rows: list[int], contexts: list[int], prompts: list[int], threads: int) -> dict:
+def measure(model: str, rows: list[int], contexts: list[int], prompts: list[int], threads: int, rounds: int) -> dict:
     """Microseconds per layer of each cache's decode steps (by context, then rows) and prefills (by
-    prompt tokens), as a model's one attention layer runs them."""
+    prompt tokens), as a model's one attention layer runs them: the median over rounds, each round
+    timing every configuration once (so a slow spell of the machine touches them all alike)."""
     import onnxruntime as ort
 
     heads, kv_heads, head_dim, layers = SHAPES[model]
     shape = (heads, kv_heads, head_dim)
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
-    found = {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "layers": layers, "caches": {}}
+    configurations, kept = {}, []  # (cache, figure, length, rows) -> (session, bindings); their buffers
     for cache, bits in CACHES.items():
         session = ort.InferenceSession(attention_model(*shape, bits), options, providers=["CPUExecutionProvider"])
-        decode = {}
-        for context in contexts:
-            decode[str(context)] = {}
-            for r in rows:
-                runs, _kept = bindings(session, shape, r, 1, context, bits, layers)
-                decode[str(context)][str(r)] = time_runs(session, runs) * 1e6
-        prefill = {}
-        for tokens in prompts:
-            runs, _kept = bindings(session, shape, 1, tokens, 0, bits, layers)
-            prefill[str(tokens)] = time_runs(session, runs) * 1e6
-        found["caches"][cache] = {"decode_us_per_layer": decode, "prefill_us_per_layer": prefill}
-        print(f"  {model} {cache} cache: decode {decode}, prefill {prefill}", flush=True)
+        wanted = [("decode_us_per_layer", context, r, 1, context) for context in contexts for r in rows]
+        wanted += [("prefill_us_per_layer", tokens, 1, tokens, 0) for tokens in prompts]
+        for figure, length, r, new, held in wanted:
+            runs, buffers = bindings(session, shape, r, new, held, bits, layers)
+            configurations[(cache, figure, str(length), str(r))] = (session, runs)
+            kept.append(buffers)
+    times = {key: [] for key in configurations}
+    for _ in range(rounds):
+        for key, (session, runs) in configurations.items():
+            times[key].append(time_runs(session, runs) * 1e6)
+    found = {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "layers": layers, "caches": {}}
+    for (cache, figure, length, r), measured in times.items():
+        figures = found["caches"].setdefault(cache, {"decode_us_per_layer": {}, "prefill_us_per_layer": {}})
+        if figure == "decode_us_per_layer":
+            figures[figure].setdefault(length, {})[r] = float(np.median(measured))
+        else:
+            figures[figure][length] = float(np.median(measured))
+    print(f"  {model}: {found['caches']}", flush=True)
     return found
 
 
@@ -208,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contexts", default="128,1024", help="tokens each row holds before the step")
     parser.add_argument("--prompts", default="128,1024", help="one-row prompts to prefill")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--rounds", type=int, default=3, help="every configuration timed once per round")
     args = parser.parse_args(argv)
     models = args.models.split(",")
     unknown = [m for m in models if m not in SHAPES]
@@ -221,9 +229,11 @@ def main(argv: list[str] | None = None) -> int:
         "onnxruntime": onnxruntime_version(),
         "cpus": os.cpu_count(),
         "threads": args.threads,
+        "rounds": args.rounds,
         **numbers,
         "models": {
-            m: measure(m, numbers["rows"], numbers["contexts"], numbers["prompts"], args.threads) for m in models
+            m: measure(m, numbers["rows"], numbers["contexts"], numbers["prompts"], args.threads, args.rounds)
+            for m in models
         },
     }
     print(table(report))

@@ -425,7 +425,8 @@ def attention_rows() -> str:
     head = (
         f"onnxruntime {report['onnxruntime']}, {report['threads']} threads, {ran_on['cpu']} "
         f"({'+'.join(ran_on['features'])}); microseconds per layer (one GroupQueryAttention, rotary inside, "
-        "the runs cycling through one KV buffer per layer of the model); a step's rows each hold `context` tokens:"
+        f"the runs cycling through one KV buffer per layer of the model), medians of {report['rounds']} interleaved "
+        "rounds; a step's rows each hold `context` tokens:"
     )
     return "\n".join([head, "", attention.table(report)])
 

@@ -100,7 +100,7 @@ def test_attention_times_each_cache_at_each_row_count_and_writes_in_place(monkey
 
     monkeypatch.setattr(attention, "TIMED_SECONDS", 0.01)
     monkeypatch.setitem(attention.SHAPES, "tiny", (4, 2, 16, 2))
-    found = attention.measure("tiny", rows=[1, 2], contexts=[8], prompts=[4], threads=1)
+    found = attention.measure("tiny", rows=[1, 2], contexts=[8], prompts=[4], threads=1, rounds=2)
     assert set(found["caches"]) == {"float", "int8"}
     for figures in found["caches"].values():
         assert set(figures["decode_us_per_layer"]["8"]) == {"1", "2"} and set(figures["prefill_us_per_layer"]) == {"4"}
