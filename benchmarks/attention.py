@@ -194,10 +194,16 @@ def table(report: dict) -> str:
     )
     head += f" | x at {most} rows | " + " | ".join(f"prefill {t} tokens, us" for t in prompts) + " |"
     lines = [head, "|---|---|---|" + "---|" * (len(rows) + 1 + len(prompts))]
-    for model, found in report["models"].items():
+
+    def size(item):
+        return item[1]["heads"] * item[1]["head_dim"] * item[1]["layers"]
+
+    for model, found in sorted(report["models"].items(), key=size):  # the smallest first; the rest as asked
         label = f"{model} ({found['heads']} / {found['kv_heads']} x {found['head_dim']})"
-        for cache, figures in found["caches"].items():
-            for context, times in figures["decode_us_per_layer"].items():
+        for cache in [c for c in CACHES if c in found["caches"]]:
+            figures = found["caches"][cache]
+            for context in map(str, report["contexts"]):
+                times = figures["decode_us_per_layer"][context]
                 cells = " | ".join(f"{times[str(r)]:,.0f}" for r in rows)
                 grown = ratio(times, most)
                 prefill = " | ".join(f"{figures['prefill_us_per_layer'][str(t)]:,.0f}" for t in prompts)

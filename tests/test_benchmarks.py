@@ -104,7 +104,7 @@ def test_attention_times_each_cache_at_each_row_count_and_writes_in_place(monkey
     assert set(found["caches"]) == {"float", "int8"}
     for figures in found["caches"].values():
         assert set(figures["decode_us_per_layer"]["8"]) == {"1", "2"} and set(figures["prefill_us_per_layer"]) == {"4"}
-    lines = attention.table({"rows": [1, 2], "prompts": [4], "models": {"tiny": found}}).splitlines()
+    lines = attention.table({"rows": [1, 2], "contexts": [8], "prompts": [4], "models": {"tiny": found}}).splitlines()
     assert len(lines) == 4 and lines[-1].startswith("| tiny (4 / 2 x 16) | int8 | 8 | ")
     for bits in (None, 8):
         session = ort.InferenceSession(attention.attention_model(4, 2, 16, bits), providers=["CPUExecutionProvider"])
