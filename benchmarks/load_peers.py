@@ -1,7 +1,9 @@
 """Fast together, side by side: ortforge's continuous-batching scheduler against OpenVINO GenAI's
 ContinuousBatchingPipeline on the same CPU with the same token ids, both in-process (no HTTP:
 benchmarks/serving.py measures the server), each engine and concurrency level in a fresh process,
-interleaved over rounds. ortforge's int4, int8 and w8a8 run with their tuned settings; OpenVINO GenAI's
+interleaved over rounds. ortforge's int4, int8 and w8a8 run with the session settings the runtime
+gives them here, as `ortforge serve` does: bench's where it tuned them on this CPU, onnxruntime's
+defaults where it tuned them on another (each engine records which); OpenVINO GenAI's
 exports of the same HF folder (int4 group 32, int8) at its CPU defaults (bf16 activations, u8 KV
 cache and dynamic int8 activations where the CPU has them) and in f32 mode.
 
@@ -20,7 +22,6 @@ benchmarks/results/load_peers.json and load_peers.png, and prints the table and 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -57,8 +58,8 @@ def engines(model: str) -> dict[str, dict]:
     found = {}
     for variant in VARIANTS:
         folder = paths.variant_dir(model, variant)
-        session = json.loads((folder.parent / f"{variant}.runtime.json").read_text(encoding="utf-8"))["session"]
-        found[f"ortforge {variant}"] = {"kind": "ort", "path": str(folder), "session": session, "variant": variant}
+        settings = provenance.settings_used(folder)
+        found[f"ortforge {variant}"] = {"kind": "ort", "path": str(folder), "settings": settings, "variant": variant}
     for variant in PEER_FORMATS:
         built = openvino_peer.build(
             openvino_peer.PYTHON, paths.hf_dir(model), CACHE / model / f"openvino-{variant}", variant
@@ -99,7 +100,8 @@ def under_load(spec: dict, prompts: list[list[list[int]]], new_tokens: int, scra
         from tasks.measurement import concurrency
         from tasks.measurement.timing import in_fresh_process
 
-        found = in_fresh_process(concurrency.measure_load, spec["path"], prompts, new_tokens, spec["session"], 0)
+        # no settings of its own: the runtime's for this CPU (SessionSettings.for_artifact), as its first token's
+        found = in_fresh_process(concurrency.measure_load, spec["path"], prompts, new_tokens, None, 0)
         return {name: found[name] for name in FIGURES}
     options = ["--new-tokens", str(new_tokens), "--precision", spec["precision"]]
     found = openvino_peer.run(Path(spec["python"]), Path(spec["path"]), "load", prompts, scratch, options)
@@ -185,6 +187,13 @@ def table(report: dict) -> str:
         for streams in levels(found["load"]):
             lines.append(f"| {name} | {quality_cell} | {streams} | {figure_cells(found['load'][streams], one)} |")
     return "\n".join(lines)
+
+
+def settings_line(report: dict) -> str:
+    """Which session settings each ortforge engine ran with (a file from before they were recorded
+    says so)."""
+    said = [f"{name}, {found.get('settings', 'not recorded')}" for name, found in ordered(report)]
+    return "ortforge's session settings: " + "; ".join(line for line in said if line.startswith("ortforge"))
 
 
 def prefill_table(report: dict) -> str:
@@ -316,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
         "int4_ppl_budget": load_params(REPO / paths.PARAMS).validation.thresholds["int4"].ppl_ratio,
         "engines": measure(specs, token_ids(args.model), args),
     }
+    for name, spec in specs.items():
+        if spec["kind"] == "ort":
+            report["engines"][name]["settings"] = spec["settings"]
     defaults = {n: s for n, s in specs.items() if s["kind"] == "ort" or s["precision"] == "default"}
     for name, found in quality(args.model, defaults).items():
         report["engines"][name]["quality"] = found

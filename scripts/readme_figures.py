@@ -446,7 +446,7 @@ def load_peers_tables(model: str = load_peers.DEFAULT_MODEL) -> str:
         f"tokens, greedy, {report['requests_per_stream']} requests per stream, both engines in-process, medians of "
         f"{report['rounds']} interleaved rounds, {report['cpus']} cores, OpenVINO GenAI "
         f"{report['provenance']['peers']['openvino-genai']}; ppl ratio on validate's texts against the same PyTorch "
-        "reference (OpenVINO's f32 mode not scored):"
+        f"reference (OpenVINO's f32 mode not scored). {load_peers.settings_line(report)}:"
     )
     first = "Batch-1 first token (prefill), same run:"
     return "\n".join([head, "", load_peers.table(report), "", first, "", load_peers.prefill_table(report)])

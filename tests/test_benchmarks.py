@@ -207,6 +207,11 @@ def test_load_goals_compare_against_the_best_peer_within_our_quality_budget():
             "ortforge w8a8": engine(1.02, figures(100, 0.1, 8), figures(480, 0.25, 20), 0.04),
         },
     }
+    report["engines"]["ortforge w8a8"]["settings"] = "tuned by bench (runtime.json)"
+    assert load_peers.settings_line(report) == (
+        "ortforge's session settings: ortforge int4, not recorded; ortforge int8, not recorded; "
+        "ortforge w8a8, tuned by bench (runtime.json)"
+    )
     said = load_peers.goals(report)
     assert said[0].startswith(
         "within our int4 budget (ppl ratio <= 1.07), 8 streams: ortforge w8a8 x1.20 the throughput of "
