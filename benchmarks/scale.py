@@ -258,10 +258,9 @@ def runtime(
         print(f"{name}: runtime round {round_index + 1}/{rounds}", flush=True)
         for engine, variant in ours.items():
             spec = {"kind": "ort", "path": str(variant), "tuned": True}
-            session = json.loads((variant.parent / f"{variant.name}.runtime.json").read_text(encoding="utf-8"))
             results[engine]["batch1"].append(in_fresh_process(engines.measure, spec, prompt, NEW_TOKENS, 1, 3))
-            results[engine]["streams"].append(
-                in_fresh_process(concurrency.measure_load, str(variant), streams, NEW_TOKENS, session["session"], 0)
+            results[engine]["streams"].append(  # the settings the runtime gives it here, as under `ortforge serve`
+                in_fresh_process(concurrency.measure_load, str(variant), streams, NEW_TOKENS, None, 0)
             )
         genai = {"kind": "genai", "path": str(genai_dir)}
         results["onnxruntime-genai int4"]["batch1"].append(
