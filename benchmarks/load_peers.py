@@ -192,8 +192,8 @@ def table(report: dict) -> str:
 def settings_line(report: dict) -> str:
     """Which session settings each ortforge engine ran with (a file from before they were recorded
     says so)."""
-    said = [f"{name}, {found.get('settings', 'not recorded')}" for name, found in ordered(report)]
-    return "ortforge's session settings: " + "; ".join(line for line in said if line.startswith("ortforge"))
+    ours = [(name, found) for name, found in ordered(report) if name.startswith("ortforge")]
+    return "ortforge's session settings: " + "; ".join(f"{n}, {f.get('settings', 'not recorded')}" for n, f in ours)
 
 
 def prefill_table(report: dict) -> str:
