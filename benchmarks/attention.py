@@ -53,8 +53,9 @@ CACHES = {"float": None, "int8": 8}  # kv_cache as params.yaml names it: its sto
 TIMED_SECONDS = 1.0
 
 
-def attention_model(heads: int, kv_heads: int, head_dim: int, bits: int | None) -> bytes:
-    """One GroupQueryAttention node as the variants' graphs hold it, its past and present one buffer."""
+def attention_model(heads: int, kv_heads: int, head_dim: int, bits: int | None, **attributes) -> bytes:
+    """One GroupQueryAttention node as the variants' graphs hold it, its past and present one buffer;
+    attributes beyond the default ones (local_window_size, softcap, scale) as given."""
     from onnx import TensorProto, helper
 
     stored = TensorProto.INT8 if bits else TensorProto.FLOAT
@@ -67,8 +68,8 @@ def attention_model(heads: int, kv_heads: int, head_dim: int, bits: int | None) 
         info("past_value", stored, ["B", kv_heads, "L", head_dim]),
         info("seqlens_k", TensorProto.INT32, ["B", 1]),
         info("total_sequence_length", TensorProto.INT32, []),
-        info("cos_cache", TensorProto.FLOAT, ["P", head_dim // 2]),
-        info("sin_cache", TensorProto.FLOAT, ["P", head_dim // 2]),
+        info("cos_cache", TensorProto.FLOAT, ["P", "R"]),  # R: half the rotated channels
+        info("sin_cache", TensorProto.FLOAT, ["P", "R"]),
     ]
     outputs = [
         info("output", TensorProto.FLOAT, ["B", "S", heads * head_dim]),
@@ -76,7 +77,7 @@ def attention_model(heads: int, kv_heads: int, head_dim: int, bits: int | None) 
         info("present_value", stored, ["B", kv_heads, "L", head_dim]),
     ]
     names = [i.name for i in inputs]
-    attributes = {"num_heads": heads, "kv_num_heads": kv_heads, "do_rotary": 1, "scale": head_dim**-0.5}
+    attributes = {"num_heads": heads, "kv_num_heads": kv_heads, "do_rotary": 1, "scale": head_dim**-0.5} | attributes
     initializers = []
     if bits:  # the quantized cache's per-channel scales, where tasks/quantization/kv_cache.py puts them
         names += [""] * (kv_cache.V_SCALE_INPUT + 1 - len(names))
@@ -132,15 +133,20 @@ def bindings(session, shape: tuple[int, int, int], rows: int, new: int, held: in
 
 
 def time_runs(session, runs: list) -> float:
-    """Median seconds of one run over about TIMED_SECONDS (at least 5 runs), cycling through the
-    runs' bindings, after warm-up runs."""
-    for binding in runs[:3]:
-        session.run_with_iobinding(binding)
+    """Median seconds of one run of session, cycling through the runs' bindings (time_calls)."""
+    return time_calls([lambda binding=binding: session.run_with_iobinding(binding) for binding in runs])
+
+
+def time_calls(calls: list) -> float:
+    """Median seconds of one call over about TIMED_SECONDS (at least 5 calls), cycling through
+    calls, after warm-up calls."""
+    for call in calls[:3]:
+        call()
     times, deadline = [], time.perf_counter() + TIMED_SECONDS
     while len(times) < 5 or time.perf_counter() < deadline:
-        binding = runs[len(times) % len(runs)]
+        call = calls[len(times) % len(calls)]
         started = time.perf_counter()
-        session.run_with_iobinding(binding)
+        call()
         times.append(time.perf_counter() - started)
     return float(np.median(times))
 

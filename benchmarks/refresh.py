@@ -38,6 +38,7 @@ COMMANDS = {
     "structured.json": "python benchmarks/structured.py",
     "kernels.json": "python benchmarks/kernels.py",
     "attention.json": "python benchmarks/attention.py",
+    "attention_kernel.json": "python benchmarks/attention_kernel.py",
     "load_peers.json": "python benchmarks/load_peers.py",
     "load_peers-gemma3-270m.json": "python benchmarks/load_peers.py --model gemma3-270m",
     "execution_providers.json": "python benchmarks/execution_providers.py",

@@ -3,6 +3,8 @@ greedy tokens (they are comparable), and the summaries compute what they say. No
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -113,6 +115,61 @@ def test_attention_times_each_cache_at_each_row_count_and_writes_in_place(monkey
         session.run_with_iobinding(binding)
         changed = np.flatnonzero((key != before).any(axis=(1, 3)).any(axis=0))
         assert changed.tolist() == [8] and np.isfinite(binding.get_outputs()[0].numpy()).all()
+
+
+@pytest.fixture(scope="module")
+def hand_written_kernel(tmp_path_factory):
+    from benchmarks import attention_kernel
+
+    if shutil.which(os.environ.get("CC", "cc")) is None:
+        pytest.skip("no C compiler to build benchmarks/csrc/gqa.c")
+    return attention_kernel.load(attention_kernel.compile_kernel(tmp_path_factory.mktemp("gqa")))
+
+
+@pytest.mark.parametrize(
+    ("shape", "lengths", "new", "room", "attributes", "rotary_half"),
+    [
+        ((9, 3, 64), [1], 1, 16, {}, 0),  # a first token
+        ((9, 3, 64), [5, 9, 1, 40], 1, 48, {}, 0),  # a step over rows of different lengths
+        ((9, 3, 64), [37], 37, 40, {}, 0),  # a prompt
+        ((9, 3, 64), [37], 21, 40, {}, 0),  # a prompt's second piece
+        ((4, 1, 256), [40], 40, 64, {"local_window": 8}, 0),  # Gemma's sliding layers
+        ((4, 1, 256), [30, 50], 1, 64, {"local_window": 8}, 0),
+        ((4, 1, 256), [30, 50], 1, 64, {"softcap": 5.0, "scale": 0.0625}, 0),  # Gemma 2's softcap
+        ((8, 2, 64), [20], 20, 32, {}, 16),  # partial rotary: 32 of 64 channels
+    ],
+)
+def test_hand_written_attention_computes_what_onnxruntimes_does(
+    hand_written_kernel, shape, lengths, new, room, attributes, rotary_half
+):
+    """The kernel attention_kernel.py times keeps onnxruntime's contract: the same output and the
+    same cache (new keys rotated and written at each row's own position), on every path."""
+    import onnxruntime as ort
+
+    from benchmarks import attention, attention_kernel
+
+    attributes = dict(attributes)  # parametrize's own dict, kept whole for a rerun
+    window = attributes.pop("local_window", -1)
+    ort_attributes = {"local_window_size": window, "softcap": 0.0, "scale": 0.0} | attributes
+    session = ort.InferenceSession(
+        attention.attention_model(*shape, None, **ort_attributes), providers=["CPUExecutionProvider"]
+    )
+    arrays = attention_kernel.inputs(shape, lengths, new, room, np.random.default_rng(1), rotary_half)
+    kernel_attributes = {"window": window, "softcap": ort_attributes["softcap"], "scale": ort_attributes["scale"]}
+    assert attention_kernel.difference(session, hand_written_kernel, arrays, shape[0], **kernel_attributes) < 1e-5
+
+
+def test_attention_kernel_times_both_kernels_and_tabulates(monkeypatch, hand_written_kernel):
+    from benchmarks import attention, attention_kernel
+
+    monkeypatch.setattr(attention, "TIMED_SECONDS", 0.01)
+    monkeypatch.setitem(attention.SHAPES, "tiny", (4, 2, 16, 2))
+    found = attention_kernel.measure("tiny", hand_written_kernel, rows=[1, 2], contexts=[40], prompts=[20], rounds=2)
+    assert found["max_abs_difference"] < 1e-5 and set(found["call_overhead_us"]) == set(attention_kernel.ENGINES)
+    assert set(found["decode_us_per_layer"]["40"]) == {"1", "2"}
+    assert set(found["prefill_us_per_layer"]["20"]) == set(attention_kernel.ENGINES)
+    lines = attention_kernel.table({"models": {"tiny": found}}).splitlines()
+    assert len(lines) == 5 and lines[-1].startswith("| tiny (4 / 2 x 16) | prefill 20 tokens | ")
 
 
 def test_memory_bandwidth_is_measured():
