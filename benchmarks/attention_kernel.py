@@ -140,8 +140,11 @@ def kernel_call(
     )  # fmt: skip
 
     def call():
-        if kernel.gqa_serial(ctypes.byref(shape)) != 0:
-            raise MemoryError("gqa_serial could not allocate its scratch")
+        status = kernel.gqa_serial(ctypes.byref(shape))
+        if status != 0:
+            raise RuntimeError(
+                f"gqa_serial failed with {status} (1: out of memory; 2: head {head_dim} no multiple of 16)"
+            )
         return output, arrays  # referenced here: shape holds only their addresses
 
     return call, lambda: output

@@ -137,6 +137,8 @@ def hand_written_kernel(tmp_path_factory):
         ((4, 1, 256), [30, 50], 1, 64, {"local_window": 8}, 0),
         ((4, 1, 256), [30, 50], 1, 64, {"softcap": 5.0, "scale": 0.0625}, 0),  # Gemma 2's softcap
         ((8, 2, 64), [20], 20, 32, {}, 16),  # partial rotary: 32 of 64 channels
+        ((14, 2, 64), [40], 40, 48, {}, 0),  # a group of 7 query heads (Qwen2.5 0.5B)
+        ((14, 2, 64), [40, 9], 1, 48, {}, 0),
     ],
 )
 def test_hand_written_attention_computes_what_onnxruntimes_does(

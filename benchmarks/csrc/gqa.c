@@ -2,11 +2,13 @@
  * against onnxruntime's own by benchmarks/attention_kernel.py (through ctypes, one thread).
  *
  * It keeps onnxruntime's contract for com.microsoft GroupQueryAttention (rotary inside; KV cache
- * in [batch, kv_heads, buffer, head] buffers that past and present may share) and changes how the
- * work is done: a row's keys and values are loaded once for all the query heads that share them,
- * the dot products of 16 keys are folded together (4 levels of pairwise sums, not 16 horizontal
- * reductions), and each query scores only the keys its mask allows (onnxruntime's kernel runs a
- * GEMM per row and query head over the row's whole length, then masks).
+ * in [batch, kv_heads, buffer, head] buffers that past and present may share; a head size that is
+ * a multiple of 16) and changes how the work is done. A row's keys and values are loaded once for
+ * all the query heads that share them, and each query scores only the keys its mask allows
+ * (onnxruntime's kernel runs a GEMM per row and query head over the row's whole length, then
+ * masks). A decode step's query folds the dot products of 16 keys together (4 levels of pairwise
+ * sums, not 16 horizontal reductions); a prompt's block of queries transposes each 16 keys once
+ * and scores them with broadcast multiply-adds, 8 query vectors at a time.
  *
  * Semantics followed exactly (tests/test_benchmarks.py compares outputs and caches with
  * onnxruntime 1.32's on batched rows of different lengths, prompts, prompt pieces, a local window,
@@ -45,7 +47,6 @@ static inline float exp_nonpositive(float x) {
 
 
 typedef float v16 __attribute__((vector_size(64)));
-typedef float v8 __attribute__((vector_size(32)));
 
 static inline v16 load16(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
 
@@ -119,94 +120,190 @@ void gqa_write_task(const GqaShape *g, int64_t task) {
     }
 }
 
-int64_t gqa_attend_tasks(const GqaShape *g) {
-    return g->batch * g->kv_heads * ((g->seq + g->query_block - 1) / g->query_block);
+/* The keys query s of row b attends to: [lo, end). */
+static void key_range(const GqaShape *g, int64_t past, int64_t s, int64_t *lo, int64_t *end) {
+    *end = past + s + 1;
+    *lo = (g->window > 0 && *end > g->window) ? *end - g->window : 0;
 }
 
-/* Task (b, kv head, block of queries): each key and value is loaded once for all the group's
- * query heads. scratch holds group x (keys + head) floats. */
-void gqa_attend_task(const GqaShape *g, int64_t task, float *scratch) {
-    const int64_t blocks = (g->seq + g->query_block - 1) / g->query_block;
-    const int64_t b = task / (g->kv_heads * blocks);
-    const int64_t kvh = (task / blocks) % g->kv_heads;
-    const int64_t first = (task % blocks) * g->query_block;
-    const int64_t last = first + g->query_block < g->seq ? first + g->query_block : g->seq;
-    const int group = (int)(g->heads / g->kv_heads), head = (int)g->head;
-    const int64_t past = past_length(g, b);
-    const float *keys = cache_row(g->present_key, g, b, kvh);
-    const float *values = cache_row(g->present_value, g, b, kvh);
-    const float alpha = g->scale == 0.0f ? 1.0f / sqrtf((float)head) : g->scale;
-    const int64_t q_width = g->heads * head;
-    float *queries = scratch;                    /* group x head, rotated */
-    float *scores = scratch + group * head;      /* group x keys */
-
-    for (int64_t s = first; s < last; s++) {
-        const int64_t pos = past + s, end = pos + 1;
-        const int64_t lo = (g->window > 0 && end > g->window) ? end - g->window : 0;
-        const int64_t n = end - lo;
-        const float *cos_row = g->cos_cache + pos * g->rotary_half;
-        const float *sin_row = g->sin_cache + pos * g->rotary_half;
-        for (int h = 0; h < group; h++) {
-            const float *q = g->query + (b * g->seq + s) * q_width + (kvh * group + h) * head;
-            rotate(q, cos_row, sin_row, (int)g->rotary_half, head, queries + h * head);
-        }
-        int64_t j = 0;
-        if (head % 16 == 0) {
-            for (; j + 16 <= n; j += 16) {
-                const float *k = keys + (lo + j) * head;
-                for (int h = 0; h < group; h++) {
-                    v16 sums = dots16(queries + h * head, k, head);
-                    memcpy(scores + h * n + j, &sums, sizeof sums);
-                    for (int i = 0; i < 16; i++) scores[h * n + j + i] *= alpha;
-                }
-            }
-        }
-        for (; j < n; j++) {
-            const float *k = keys + (lo + j) * head;
-            for (int h = 0; h < group; h++) {
-                const float *q = queries + h * head;
-                float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                for (int d = 0; d < head; d++) dot += q[d] * k[d];
-                scores[h * n + j] = dot * alpha;
-            }
-        }
-        for (int h = 0; h < group; h++) {
-            float *row = scores + h * n;
-            if (g->softcap > 0.0f)
-                for (int64_t j = 0; j < n; j++) row[j] = g->softcap * tanhf(row[j] / g->softcap);
-            float peak = row[0];
-            for (int64_t j = 1; j < n; j++) peak = row[j] > peak ? row[j] : peak;
-            float total = 0.0f;
+/* Scaled scores to probabilities, in place: softcap, then softmax. */
+static void softmax(float *row, int64_t n, float softcap) {
+    if (softcap > 0.0f)
+        for (int64_t j = 0; j < n; j++) row[j] = softcap * tanhf(row[j] / softcap);
+    float peak = row[0];
+#pragma omp simd reduction(max : peak)
+    for (int64_t j = 1; j < n; j++) peak = row[j] > peak ? row[j] : peak;
+    float total = 0.0f;
 #pragma omp simd reduction(+ : total)
+    for (int64_t j = 0; j < n; j++) {
+        row[j] = exp_nonpositive(row[j] - peak);
+        total += row[j];
+    }
+    const float inverse = 1.0f / total;
+    for (int64_t j = 0; j < n; j++) row[j] *= inverse;
+}
+
+/* out[h] = sum over the n keys j of p[h * stride + j] * values[j], for the group's heads h. Each
+ * 16 channels of a value are loaded once for up to 8 heads, whose sums stay in registers. */
+static void weigh_values(const float *values, const float *p, int64_t stride, int64_t n, int group, int head,
+                         float *out) {
+    for (int h0 = 0; h0 < group; h0 += 8) {
+        const int heads = group - h0 < 8 ? group - h0 : 8;
+        for (int d = 0; d < head; d += 16) {
+            v16 sums[8];
+            for (int h = 0; h < heads; h++) sums[h] = (v16){0};
             for (int64_t j = 0; j < n; j++) {
-                row[j] = exp_nonpositive(row[j] - peak);
-                total += row[j];
+                const v16 v = load16(values + j * head + d);
+                for (int h = 0; h < heads; h++) sums[h] += p[(h0 + h) * stride + j] * v;
             }
-            const float inverse = 1.0f / total;
-            for (int64_t j = 0; j < n; j++) row[j] *= inverse;
-        }
-        float *out = g->output + (b * g->seq + s) * q_width + kvh * group * head;
-        memset(out, 0, (size_t)group * head * sizeof(float));
-        for (int64_t j = 0; j < n; j++) {
-            const float *v = values + (lo + j) * head;
-            for (int h = 0; h < group; h++) {
-                const float p = scores[h * n + j];
-                float *o = out + h * head;
-#pragma omp simd
-                for (int d = 0; d < head; d++) o[d] += p * v[d];
-            }
+            for (int h = 0; h < heads; h++) memcpy(out + (h0 + h) * head + d, &sums[h], sizeof sums[h]);
         }
     }
 }
 
-size_t gqa_scratch_floats(const GqaShape *g) {
-    const int64_t group = g->heads / g->kv_heads;
-    return (size_t)(group * (g->head + g->present_len));
+typedef struct {
+    const GqaShape *g;
+    int64_t b, kvh, past;
+    int group, head;
+    float alpha;
+    const float *keys, *values;
+} Task;
+
+static void rotate_query(const Task *t, int64_t s, float *rotated) {
+    const GqaShape *g = t->g;
+    const int64_t pos = t->past + s;
+    for (int h = 0; h < t->group; h++) {
+        const float *q = g->query + (t->b * g->seq + s) * g->heads * t->head + (t->kvh * t->group + h) * t->head;
+        rotate(q, g->cos_cache + pos * g->rotary_half, g->sin_cache + pos * g->rotary_half, (int)g->rotary_half,
+               t->head, rotated + h * t->head);
+    }
 }
 
-/* The whole op on the calling thread: what the tests call through ctypes. */
+static float *output_of(const Task *t, int64_t s) {
+    const GqaShape *g = t->g;
+    return g->output + (t->b * g->seq + s) * g->heads * t->head + t->kvh * t->group * t->head;
+}
+
+/* One query (a decode step's): its group's heads score each key with dots16, 16 keys at a time
+ * while 16 keys fit in the buffer (past the row's end they are read, their scores never used),
+ * plain dot products for the rest. scratch: group x (head + keys) floats. */
+static void attend_one(const Task *t, int64_t s, float *scratch) {
+    const int group = t->group, head = t->head;
+    int64_t lo, end;
+    key_range(t->g, t->past, s, &lo, &end);
+    const int64_t n = end - lo;
+    float *queries = scratch, *scores = scratch + group * head;
+    rotate_query(t, s, queries);
+    int64_t j = 0;
+    for (; j < n && lo + j + 16 <= t->g->present_len; j += 16) {
+        const float *k = t->keys + (lo + j) * head;
+        const int64_t used = n - j < 16 ? n - j : 16;
+        for (int h = 0; h < group; h++) {
+            const v16 sums = dots16(queries + h * head, k, head) * t->alpha;
+            memcpy(scores + h * n + j, &sums, (size_t)used * sizeof(float));
+        }
+    }
+    for (; j < n; j++) {
+        const float *k = t->keys + (lo + j) * head;
+        for (int h = 0; h < group; h++) {
+            const float *q = queries + h * head;
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (int d = 0; d < head; d++) dot += q[d] * k[d];
+            scores[h * n + j] = dot * t->alpha;
+        }
+    }
+    for (int h = 0; h < group; h++) softmax(scores + h * n, n, t->g->softcap);
+    weigh_values(t->values + lo * head, scores, n, n, group, head, output_of(t, s));
+}
+
+/* A block of a prompt's queries [first, last): each 16 keys are transposed once into [head][16]
+ * and every query vector of the block (queries x group heads) scores them with head broadcast
+ * multiply-adds and no reductions, as a GEMM's micro-kernel would. The block's queries share all
+ * but their last few keys, so all are scored against the block's whole key range; softmax reads
+ * only the keys each query's mask allows. scratch: see block_scratch_floats. */
+static void attend_block(const Task *t, int64_t first, int64_t last, float *scratch) {
+    const int group = t->group, head = t->head;
+    const int64_t rows = (last - first) * group, padded = (rows + 7) / 8 * 8;
+    int64_t block_lo, unused, block_end;
+    key_range(t->g, t->past, first, &block_lo, &unused);
+    key_range(t->g, t->past, last - 1, &unused, &block_end);
+    const int64_t width = block_end - block_lo;
+    float *queries = scratch;                    /* padded x head, rows past `rows` zero */
+    float *scores = queries + padded * head;     /* padded x width */
+    float *transposed = scores + padded * width; /* head x 16 */
+    for (int64_t s = first; s < last; s++) rotate_query(t, s, queries + (s - first) * group * head);
+    memset(queries + rows * head, 0, (size_t)(padded - rows) * head * sizeof(float));
+    for (int64_t j0 = block_lo; j0 < block_end; j0 += 16) {
+        const int64_t count = block_end - j0 < 16 ? block_end - j0 : 16;
+        for (int d = 0; d < head; d++)
+            for (int j = 0; j < 16; j++) transposed[d * 16 + j] = j < count ? t->keys[(j0 + j) * head + d] : 0.0f;
+        /* 8 query vectors at a time: 8 independent chains of multiply-adds share each load */
+        for (int64_t r0 = 0; r0 < padded; r0 += 8) {
+            v16 sums[8];
+            for (int r = 0; r < 8; r++) sums[r] = (v16){0};
+            for (int d = 0; d < head; d++) {
+                const v16 k = load16(transposed + d * 16);
+                for (int r = 0; r < 8; r++) sums[r] += queries[(r0 + r) * head + d] * k;
+            }
+            for (int r = 0; r < 8; r++) {
+                const v16 scaled = sums[r] * t->alpha;
+                memcpy(scores + (r0 + r) * width + (j0 - block_lo), &scaled, (size_t)count * sizeof(float));
+            }
+        }
+    }
+    for (int64_t s = first; s < last; s++) {
+        int64_t lo, end;
+        key_range(t->g, t->past, s, &lo, &end);
+        float *p = scores + (s - first) * group * width + (lo - block_lo);
+        for (int h = 0; h < group; h++) softmax(p + h * width, end - lo, t->g->softcap);
+        weigh_values(t->values + lo * head, p, width, end - lo, group, head, output_of(t, s));
+    }
+}
+
+/* Prompts (several queries a task) take attend_block. */
+static int blocked(const GqaShape *g) { return g->query_block > 1 && g->seq > 1; }
+
+static size_t block_scratch_floats(const GqaShape *g) {
+    const int64_t group = g->heads / g->kv_heads, padded = (g->query_block * group + 7) / 8 * 8;
+    const int64_t width = g->query_block + (g->window > 0 ? g->window : g->present_len);
+    return (size_t)(padded * (g->head + width) + g->head * 16);
+}
+
+int64_t gqa_attend_tasks(const GqaShape *g) {
+    return g->batch * g->kv_heads * ((g->seq + g->query_block - 1) / g->query_block);
+}
+
+size_t gqa_scratch_floats(const GqaShape *g) {
+    const int64_t group = g->heads / g->kv_heads;
+    const size_t one = (size_t)(group * (g->head + g->present_len));
+    return blocked(g) ? block_scratch_floats(g) : one;
+}
+
+/* Task (b, kv head, block of queries): each key and value is loaded once for all the group's
+ * query heads. scratch: gqa_scratch_floats(g) floats. */
+void gqa_attend_task(const GqaShape *g, int64_t task, float *scratch) {
+    const int64_t blocks = (g->seq + g->query_block - 1) / g->query_block;
+    Task t = {.g = g, .b = task / (g->kv_heads * blocks), .kvh = (task / blocks) % g->kv_heads};
+    t.past = past_length(g, t.b);
+    t.group = (int)(g->heads / g->kv_heads);
+    t.head = (int)g->head;
+    t.alpha = g->scale == 0.0f ? 1.0f / sqrtf((float)g->head) : g->scale;
+    t.keys = cache_row(g->present_key, g, t.b, t.kvh);
+    t.values = cache_row(g->present_value, g, t.b, t.kvh);
+    const int64_t first = (task % blocks) * g->query_block;
+    const int64_t last = first + g->query_block < g->seq ? first + g->query_block : g->seq;
+    if (blocked(g)) {
+        attend_block(&t, first, last, scratch);
+        return;
+    }
+    for (int64_t s = first; s < last; s++) attend_one(&t, s, scratch);
+}
+
+/* The whole op on the calling thread: what the tests call through ctypes. 0: done; 1: no memory;
+ * 2: a head size that is no multiple of 16 (onnxruntime's kernel refuses those too). */
 int gqa_serial(const GqaShape *g) {
+    if (g->head % 16 != 0) return 2;
     float *scratch = malloc(gqa_scratch_floats(g) * sizeof(float));
     if (scratch == NULL) return 1;
     for (int64_t t = 0; t < g->batch * g->kv_heads; t++) gqa_write_task(g, t);
