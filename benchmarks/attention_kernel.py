@@ -37,7 +37,8 @@ from benchmarks import attention, provenance  # noqa: E402
 from tasks.core.files import atomic_write_json  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
-SOURCE = REPO / "benchmarks" / "csrc" / "gqa.c"
+# The kernel, and the same kernel as an onnxruntime custom op (attention_op.py): one library.
+SOURCES = tuple(REPO / "benchmarks" / "csrc" / name for name in ("gqa.c", "ort_op.c"))
 # -march=native: built where it runs, for this CPU's vector width; -fopenmp-simd: the loops'
 # `omp simd` reductions vectorize without OpenMP's runtime; no -ffast-math (the softmax's masking
 # and the comparison with onnxruntime need IEEE floats).
@@ -54,8 +55,8 @@ def compiler() -> str:
 
 
 def compile_kernel(out_dir: Path) -> Path:
-    library = out_dir / "libgqa.so"
-    subprocess.run([compiler(), *FLAGS, "-o", str(library), str(SOURCE), "-lm"], check=True)
+    library = out_dir / "libortforge_gqa.so"
+    subprocess.run([compiler(), *FLAGS, "-o", str(library), *map(str, SOURCES), "-lm"], check=True)
     return library
 
 

@@ -118,12 +118,19 @@ def test_attention_times_each_cache_at_each_row_count_and_writes_in_place(monkey
 
 
 @pytest.fixture(scope="module")
-def hand_written_kernel(tmp_path_factory):
+def kernel_library(tmp_path_factory) -> Path:
     from benchmarks import attention_kernel
 
     if shutil.which(os.environ.get("CC", "cc")) is None:
-        pytest.skip("no C compiler to build benchmarks/csrc/gqa.c")
-    return attention_kernel.load(attention_kernel.compile_kernel(tmp_path_factory.mktemp("gqa")))
+        pytest.skip("no C compiler to build benchmarks/csrc")
+    return attention_kernel.compile_kernel(tmp_path_factory.mktemp("gqa"))
+
+
+@pytest.fixture(scope="module")
+def hand_written_kernel(kernel_library):
+    from benchmarks import attention_kernel
+
+    return attention_kernel.load(kernel_library)
 
 
 @pytest.mark.parametrize(
@@ -172,6 +179,90 @@ def test_attention_kernel_times_both_kernels_and_tabulates(monkeypatch, hand_wri
     assert set(found["prefill_us_per_layer"]["20"]) == set(attention_kernel.ENGINES)
     lines = attention_kernel.table({"models": {"tiny": found}}).splitlines()
     assert len(lines) == 5 and lines[-1].startswith("| tiny (4 / 2 x 16) | prefill 20 tokens | ")
+
+
+def attention_sessions(kernel_library, shape, **attributes):
+    """One GroupQueryAttention node as com.microsoft's and as ai.ortforge's (2 threads each)."""
+    import onnx
+    import onnxruntime as ort
+
+    from benchmarks import attention, attention_op
+
+    stock = attention.attention_model(*shape, None, **attributes)
+    ours = onnx.load_from_string(stock)
+    ours.graph.node[0].domain = attention_op.DOMAIN
+    ours.opset_import.append(onnx.helper.make_opsetid(attention_op.DOMAIN, 1))
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 2
+    options.register_custom_ops_library(str(kernel_library))
+    cpu = ["CPUExecutionProvider"]
+    return ort.InferenceSession(stock, providers=cpu), ort.InferenceSession(
+        ours.SerializeToString(), options, providers=cpu
+    )
+
+
+@pytest.mark.parametrize(
+    ("shape", "lengths", "new", "room", "window"),
+    [
+        ((9, 3, 64), [5, 9, 1, 40], 1, 48, -1),  # a step over rows of different lengths
+        ((9, 3, 64), [37], 37, 40, -1),  # a prompt
+        ((9, 3, 64), [37], 21, 40, -1),  # a prompt's second piece
+        ((4, 1, 256), [30, 50], 1, 64, 8),  # Gemma's sliding layers
+    ],
+)
+def test_the_kernel_as_an_onnxruntime_op_computes_what_onnxruntimes_does(
+    kernel_library, shape, lengths, new, room, window
+):
+    """ai.ortforge GroupQueryAttention in a session, on onnxruntime's threads: the same output and
+    cache as com.microsoft's, whether past and present share one buffer (as BatchDecoder binds
+    them) or onnxruntime allocates the present (a plain run)."""
+    from benchmarks import attention_kernel
+
+    sessions = attention_sessions(kernel_library, shape, local_window_size=window, scale=0.0)
+    arrays = attention_kernel.inputs(shape, lengths, new, room, np.random.default_rng(2))
+    shared = []
+    for session in sessions:
+        copies = {name: array.copy() for name, array in arrays.items()}
+        run, output = attention_kernel.onnxruntime_call(session, copies)
+        run()
+        shared.append([output(), copies["past_key"], copies["past_value"]])
+    separate = [session.run(None, arrays) for session in sessions]
+    for theirs, ours in (shared, separate):
+        assert [a.shape for a in theirs] == [b.shape for b in ours]
+        assert max(float(np.abs(a - b).max()) for a, b in zip(theirs, ours, strict=True)) < 1e-5
+
+
+def test_the_op_refuses_a_row_that_outgrows_its_buffer(kernel_library):
+    """A seqlens_k past the KV buffer is an error naming the cause, before any write (the kernel
+    would otherwise write outside the buffer)."""
+    from benchmarks import attention_kernel
+
+    _, ours = attention_sessions(kernel_library, (9, 3, 64))
+    arrays = attention_kernel.inputs((9, 3, 64), [10], 1, 10, np.random.default_rng(3))
+    arrays["seqlens_k"][:] = 500
+    with pytest.raises(Exception, match="a row outgrows its KV buffer"):
+        ours.run(None, arrays)
+
+
+def test_rewrite_moves_every_attention_node_and_keeps_the_rest(tmp_path):
+    import onnx
+
+    from benchmarks import attention, attention_op
+
+    artifact = tmp_path / "w8a8"
+    artifact.mkdir()
+    (artifact / "model.onnx").write_bytes(attention.attention_model(4, 2, 16, None))
+    (artifact / "tokenizer.json").write_text("{}")
+    assert attention_op.rewrite(artifact, tmp_path / "copy") == 1
+    moved = onnx.load(str(tmp_path / "copy" / "model.onnx"))
+    assert [n.domain for n in moved.graph.node] == [attention_op.DOMAIN]
+    assert attention_op.DOMAIN in {o.domain for o in moved.opset_import}
+    assert (tmp_path / "copy" / "tokenizer.json").read_text() == "{}"
+    plain = onnx.load(str(tmp_path / "copy" / "model.onnx"))
+    plain.graph.node[0].op_type = "MatMul"
+    onnx.save(plain, str(artifact / "model.onnx"))
+    with pytest.raises(SystemExit, match="no GroupQueryAttention node"):
+        attention_op.rewrite(artifact, tmp_path / "again")
 
 
 def test_memory_bandwidth_is_measured():
