@@ -34,6 +34,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks import attention_kernel, load_peers, provenance  # noqa: E402
+from benchmarks.peers import openvino_peer  # noqa: E402
+from benchmarks.side_by_side import quality  # noqa: E402
 from ortforge import names  # noqa: E402
 from tasks.core import paths  # noqa: E402
 from tasks.core.files import atomic_write_json, read_json  # noqa: E402
@@ -122,19 +124,42 @@ def gated(report: dict) -> dict:
     return {name: check["value"] for name, check in report["checks"].items()}
 
 
-def measure(library: Path, engines: dict[str, str], ids: list[int], args) -> dict:
-    """Each engine's load figures per stream count and batch-1 first tokens, the engines
-    alternating within each round."""
+def under_load(library: Path, spec: dict, prompts: list, new_tokens: int, scratch: Path) -> dict:
     from benchmarks import attention_op as here  # by module name: the measuring processes import it
 
+    if spec["kind"] == "openvino":
+        return load_peers.under_load(spec, prompts, new_tokens, scratch)
+    return in_fresh_process(here.measure_load, str(library), spec["path"], prompts, new_tokens)
+
+
+def first_token_seconds(library: Path, spec: dict, prompt: list[int], scratch: Path) -> float:
+    from benchmarks import attention_op as here
+
+    if spec["kind"] == "openvino":
+        return load_peers.first_token(spec, prompt, scratch)
+    return float(np.median(in_fresh_process(here.first_token, str(library), spec["path"], prompt, 3)))
+
+
+def openvino_int8(model: str) -> tuple[str, dict]:
+    """OpenVINO GenAI's int8 export of the model at its CPU defaults: issue 23's yardstick for w8a8."""
+    specs = load_peers.engines(model)
+    for name, spec in specs.items():
+        if spec["kind"] == "openvino" and spec["variant"] == "int8" and spec["precision"] == "default":
+            return name, spec
+    raise SystemExit("error: load_peers names no OpenVINO GenAI int8 engine")
+
+
+def measure(library: Path, engines: dict[str, dict], ids: list[int], args, scratch: Path) -> dict:
+    """Each engine's load figures per stream count and batch-1 first tokens, the engines
+    alternating within each round."""
     counts = args.streams.split(",")
     load = {name: {s: [] for s in counts} for name in engines}
     first = {name: {str(t): [] for t in (args.prompt_tokens, args.long_prompt)} for name in engines}
     for round_index in range(args.rounds):
         for streams in counts:
             prompts = load_peers.stream_prompts(ids, int(streams), args.requests, args.prompt_tokens)
-            for name, folder in engines.items():
-                found = in_fresh_process(here.measure_load, str(library), folder, prompts, args.new_tokens)
+            for name, spec in engines.items():
+                found = under_load(library, spec, prompts, args.new_tokens, scratch)
                 load[name][streams].append(found)
                 print(
                     f"  round {round_index + 1}, {streams} stream(s), {name}: "
@@ -142,9 +167,8 @@ def measure(library: Path, engines: dict[str, str], ids: list[int], args) -> dic
                     flush=True,
                 )
         for tokens in first[next(iter(engines))]:
-            for name, folder in engines.items():
-                times = in_fresh_process(here.first_token, str(library), folder, ids[: int(tokens)], 3)
-                first[name][tokens].append(float(np.median(times)))
+            for name, spec in engines.items():
+                first[name][tokens].append(first_token_seconds(library, spec, ids[: int(tokens)], scratch))
     return {
         name: {
             "load": {s: load_peers.medians(runs) for s, runs in load[name].items()},
@@ -157,40 +181,66 @@ def measure(library: Path, engines: dict[str, str], ids: list[int], args) -> dic
 def table(report: dict) -> str:
     engines = report["engines"]
     lines = [
-        "| attention kernel | streams | aggregate tok/s | first token ms p50 / p95 | inter-token ms p50 / p95 |",
-        "|---|---|---|---|---|",
+        "| engine | perplexity x fp32 | streams | aggregate tok/s | first token ms p50 / p95 "
+        "| inter-token ms p50 / p95 |",
+        "|---|---|---|---|---|---|",
     ]
     for streams in report["streams"]:
-        for name in (STOCK, OURS):
-            f = engines[name]["load"][streams]
+        for name, found in engines.items():
+            f = found["load"][streams]
+            ppl = quality_ratio(report, name)
+            label = f"ortforge {report['variant']}, {name}" if name in (STOCK, OURS) else name
             lines.append(
-                f"| {name} | {streams} | {f['aggregate_tokens_per_second']:.1f} | "
+                f"| {label} | {'-' if ppl is None else f'{ppl:.3f}'} | {streams} | "
+                f"{f['aggregate_tokens_per_second']:.1f} | "
                 f"{f['seconds_to_first_token_p50'] * 1e3:.0f} / {f['seconds_to_first_token_p95'] * 1e3:.0f} | "
                 f"{f['inter_token_ms_p50']:.1f} / {f['inter_token_ms_p95']:.1f} |"
             )
     return "\n".join(lines)
 
 
+def quality_ratio(report: dict, name: str) -> float | None:
+    """The worst validate text's perplexity ratio: the copy's from its gates, the variant's from
+    validate.json's, a peer's as side_by_side measures it."""
+    if name in report["validation"]:
+        ratios = [v for k, v in report["validation"][name]["checks"].items() if k.startswith("ppl_ratio[")]
+        return max(ratios) if ratios else None
+    return report["engines"][name].get("quality", {}).get("ppl_ratio")
+
+
 def summary(report: dict) -> list[str]:
     engines, most = report["engines"], report["streams"][-1]
+    peer = next((name for name in engines if name not in (STOCK, OURS)), None)
 
-    def ratio(figure: str, streams: str) -> float:
-        return engines[OURS]["load"][streams][figure] / engines[STOCK]["load"][streams][figure]
+    def ratio(figure: str, streams: str, against: str = STOCK, name: str = OURS) -> float:
+        return engines[name]["load"][streams][figure] / engines[against]["load"][streams][figure]
 
-    validated = report["validation"]
+    def scaling(name: str) -> float:
+        load = engines[name]["load"]
+        return load[most]["aggregate_tokens_per_second"] / load["1"]["aggregate_tokens_per_second"]
+
     lines = [
         f"{most} streams: x{ratio('aggregate_tokens_per_second', most):.2f} the throughput, first token p95 "
         f"x{ratio('seconds_to_first_token_p95', most):.2f}, inter-token p95 x{ratio('inter_token_ms_p95', most):.2f}",
-        f"1 stream: x{ratio('aggregate_tokens_per_second', '1'):.2f} the throughput",
+        f"1 stream: x{ratio('aggregate_tokens_per_second', '1'):.2f} the throughput; {most} streams against 1: "
+        f"x{scaling(OURS):.2f} (as built x{scaling(STOCK):.2f})",
     ]
+    if peer:
+        lines.append(
+            f"against {peer} at {most} streams: throughput x{ratio('aggregate_tokens_per_second', most, peer):.2f} "
+            f"(as built x{ratio('aggregate_tokens_per_second', most, peer, STOCK):.2f}), first token p95 "
+            f"x{ratio('seconds_to_first_token_p95', most, peer):.2f} (as built "
+            f"x{ratio('seconds_to_first_token_p95', most, peer, STOCK):.2f})"
+        )
     for tokens in engines[STOCK]["first_token_seconds"]:
-        ours, stock = (engines[n]["first_token_seconds"][tokens] for n in (OURS, STOCK))
-        lines.append(f"batch-1 first token of {int(tokens):,} tokens: {ours * 1e3:.0f} against {stock * 1e3:.0f} ms")
+        cells = ", ".join(f"{name} {found['first_token_seconds'][tokens] * 1e3:.0f}" for name, found in engines.items())
+        lines.append(f"batch-1 first token of {int(tokens):,} tokens, ms: {cells}")
+    validated = report["validation"]
     checks = validated[OURS]["checks"]
     shown = ", ".join(
         f"{name} {checks[name]:.4g} (as built {validated[STOCK]['checks'][name]:.4g})"
         for name in sorted(checks)
-        if "[" in name
+        if name.startswith(("kl_divergence[", "ppl_ratio[", "top1_agreement["))
     )
     lines.append(f"validate's gates on the copy: {'passed' if validated[OURS]['passed'] else 'FAILED'}; {shown}")
     return lines
@@ -210,7 +260,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--requests", type=int, default=2, help="requests each stream sends in turn")
     parser.add_argument("--long-prompt", type=int, default=2048, help="a long prompt's batch-1 first token")
+    parser.add_argument("--no-openvino", dest="openvino", action="store_false", help="leave OpenVINO GenAI out")
     args = parser.parse_args(argv)
+    if args.openvino and not openvino_peer.installed():
+        raise SystemExit(
+            f"error: OpenVINO GenAI's venv is missing; run bash {openvino_peer.SETUP} or pass --no-openvino"
+        )
     if args.streams.split(",")[0] != "1":
         raise SystemExit("error: --streams must start with 1 (scaling is against one stream)")
     measured = provenance.model_outputs(args.model, [args.variant])
@@ -225,10 +280,16 @@ def main(argv: list[str] | None = None) -> int:
 
         validated = in_fresh_process(here.validation, str(library), args.model, args.variant, str(copy))
         print(f"  validate's gates on the copy: {validated}", flush=True)
-        engines = {STOCK: str(folder), OURS: str(copy)}
-        figures = measure(library, engines, ids, args)
+        engines = {STOCK: {"kind": "ort", "path": str(folder)}, OURS: {"kind": "ort", "path": str(copy)}}
+        peers = {}
+        if args.openvino:
+            name, spec = openvino_int8(args.model)
+            engines[name], peers["openvino-genai"] = spec, openvino_peer.version(openvino_peer.PYTHON)
+        figures = measure(library, engines, ids, args, Path(scratch))
+        if args.openvino:
+            figures[name]["quality"] = quality(args.model, {name: spec})[name]
     report = {
-        "provenance": provenance.record(provenance.command("attention_op.py", argv), measured),
+        "provenance": provenance.record(provenance.command("attention_op.py", argv), measured, peers or None),
         "model": args.model,
         "variant": args.variant,
         "settings": provenance.settings_used(folder),
