@@ -126,6 +126,26 @@ static void key_range(const GqaShape *g, int64_t past, int64_t s, int64_t *lo, i
     *lo = (g->window > 0 && *end > g->window) ? *end - g->window : 0;
 }
 
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+/* exp_nonpositive on 16 lanes, in vector code (the compiler left the scalar loop scalar): n is
+ * x log2(e) rounded (for x <= 0, truncating x log2(e) - 0.5 rounds it), 2^n built in the
+ * exponent's bits. */
+static inline v16 exp16_nonpositive(v16 x) {
+    const v16i low = x < -87.0f;
+    x = (v16)(((v16i)x & ~low) | ((v16i)((v16){0} - 87.0f) & low));
+    const v16i n = __builtin_convertvector(x * 1.44269504f - 0.5f, v16i);
+    const v16 nf = __builtin_convertvector(n, v16);
+    const v16 r = (x - nf * 0.693359375f) + nf * 2.12194440e-4f;
+    v16 p = r * (1.0f / 720.0f) + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    return p * (v16)((n + 127) << 23);
+}
+
 /* Scaled scores to probabilities, in place: softcap, then softmax. */
 static void softmax(float *row, int64_t n, float softcap) {
     if (softcap > 0.0f)
@@ -133,30 +153,48 @@ static void softmax(float *row, int64_t n, float softcap) {
     float peak = row[0];
 #pragma omp simd reduction(max : peak)
     for (int64_t j = 1; j < n; j++) peak = row[j] > peak ? row[j] : peak;
+    v16 sums = {0};
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        const v16 e = exp16_nonpositive(load16(row + j) - peak);
+        memcpy(row + j, &e, sizeof e);
+        sums += e;
+    }
     float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t j = 0; j < n; j++) {
+    for (int i = 0; i < 16; i++) total += sums[i];
+    for (; j < n; j++) {
         row[j] = exp_nonpositive(row[j] - peak);
         total += row[j];
     }
     const float inverse = 1.0f / total;
-    for (int64_t j = 0; j < n; j++) row[j] *= inverse;
+#pragma omp simd
+    for (int64_t k = 0; k < n; k++) row[k] *= inverse;
 }
 
-/* out[h] = sum over the n keys j of p[h * stride + j] * values[j], for the group's heads h. Each
- * 16 channels of a value are loaded once for up to 8 heads, whose sums stay in registers. */
+/* out[h] = sum over the n keys j of p[h * stride + j] * values[j], for the group's heads h. A
+ * value's channels are taken 64 at a time (4 vectors) for up to 4 heads at once: up to 16 sums stay
+ * in registers as independent chains of multiply-adds (one chain a head waits on each add's
+ * latency), each vector of a value loaded once for the heads. */
 static void weigh_values(const float *values, const float *p, int64_t stride, int64_t n, int group, int head,
                          float *out) {
-    for (int h0 = 0; h0 < group; h0 += 8) {
-        const int heads = group - h0 < 8 ? group - h0 : 8;
-        for (int d = 0; d < head; d += 16) {
-            v16 sums[8];
-            for (int h = 0; h < heads; h++) sums[h] = (v16){0};
+    for (int d0 = 0; d0 < head; d0 += 64) {
+        const int chunks = head - d0 < 64 ? (head - d0) / 16 : 4;
+        for (int h0 = 0; h0 < group; h0 += 4) {
+            const int heads = group - h0 < 4 ? group - h0 : 4;
+            v16 sums[4][4];
+            for (int h = 0; h < 4; h++)
+                for (int c = 0; c < 4; c++) sums[h][c] = (v16){0};
             for (int64_t j = 0; j < n; j++) {
-                const v16 v = load16(values + j * head + d);
-                for (int h = 0; h < heads; h++) sums[h] += p[(h0 + h) * stride + j] * v;
+                const float *v = values + j * head + d0;
+                v16 row[4];
+                for (int c = 0; c < chunks; c++) row[c] = load16(v + 16 * c);
+                for (int h = 0; h < heads; h++) {
+                    const float weight = p[(h0 + h) * stride + j];
+                    for (int c = 0; c < chunks; c++) sums[h][c] += weight * row[c];
+                }
             }
-            for (int h = 0; h < heads; h++) memcpy(out + (h0 + h) * head + d, &sums[h], sizeof sums[h]);
+            for (int h = 0; h < heads; h++)
+                for (int c = 0; c < chunks; c++) memcpy(out + (h0 + h) * head + d0 + 16 * c, &sums[h][c], sizeof(v16));
         }
     }
 }

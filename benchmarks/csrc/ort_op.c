@@ -244,7 +244,7 @@ static OrtStatus *compute(void *opaque, OrtKernelContext *context) {
     GqaShape g = {
         .batch = batch, .seq = seq, .heads = kernel->heads, .kv_heads = kernel->kv_heads, .head = head,
         .past_len = past_key->dims[2], .rotary_half = cos_cache->dims[1], .window = kernel->window,
-        .query_block = 16, .scale = kernel->scale, .softcap = kernel->softcap,
+        .query_block = 32, /* a prompt's queries a task: each transposed block of keys serves 32 x group */ .scale = kernel->scale, .softcap = kernel->softcap,
         .seqlens_k = seqlens->data, .query = query->data, .key = key->data, .value = value->data,
         .past_key = past_key->data, .past_value = past_value->data,
         .cos_cache = cos_cache->data, .sin_cache = sin_cache->data,
