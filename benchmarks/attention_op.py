@@ -47,9 +47,10 @@ STOCK, OURS = "onnxruntime's attention", "ortforge's attention"
 
 
 def rewrite(folder: Path, out: Path) -> int:
-    """A copy of the artifact in `out` whose com.microsoft GroupQueryAttention nodes are ai.ortforge's;
-    how many it moved. Weights are hard-linked where the file system allows (onnxruntime refuses
-    weights behind a symbolic link)."""
+    """A copy of the artifact in `out` whose com.microsoft GroupQueryAttention nodes are ai.ortforge's,
+    with the session settings and validation stamp that sit beside the artifact (so the runtime
+    treats both alike); how many nodes it moved. Weights are hard-linked where the file system
+    allows (onnxruntime refuses weights behind a symbolic link)."""
     import onnx
 
     model = onnx.load(str(folder / names.MODEL_FILE), load_external_data=False)
@@ -72,6 +73,10 @@ def rewrite(folder: Path, out: Path) -> int:
             except OSError:
                 shutil.copyfile(path, out / path.name)
     onnx.save(model, str(out / names.MODEL_FILE))
+    for suffix in (names.RUNTIME_SUFFIX, names.VALIDATION_SUFFIX):  # its settings and its proof, beside it
+        beside = folder.parent / f"{folder.name}{suffix}"
+        if beside.is_file():
+            shutil.copyfile(beside, out.parent / f"{out.name}{suffix}")
     return moved
 
 
@@ -185,8 +190,10 @@ def table(report: dict) -> str:
         "| inter-token ms p50 / p95 |",
         "|---|---|---|---|---|---|",
     ]
+    ordered = [STOCK, OURS, *(name for name in engines if name not in (STOCK, OURS))]
     for streams in report["streams"]:
-        for name, found in engines.items():
+        for name in ordered:
+            found = engines[name]
             f = found["load"][streams]
             ppl = quality_ratio(report, name)
             label = f"ortforge {report['variant']}, {name}" if name in (STOCK, OURS) else name
@@ -211,6 +218,7 @@ def quality_ratio(report: dict, name: str) -> float | None:
 def summary(report: dict) -> list[str]:
     engines, most = report["engines"], report["streams"][-1]
     peer = next((name for name in engines if name not in (STOCK, OURS)), None)
+    ordered = [STOCK, OURS, *([peer] if peer else [])]
 
     def ratio(figure: str, streams: str, against: str = STOCK, name: str = OURS) -> float:
         return engines[name]["load"][streams][figure] / engines[against]["load"][streams][figure]
@@ -233,7 +241,7 @@ def summary(report: dict) -> list[str]:
             f"x{ratio('seconds_to_first_token_p95', most, peer, STOCK):.2f})"
         )
     for tokens in engines[STOCK]["first_token_seconds"]:
-        cells = ", ".join(f"{name} {found['first_token_seconds'][tokens] * 1e3:.0f}" for name, found in engines.items())
+        cells = ", ".join(f"{name} {engines[name]['first_token_seconds'][tokens] * 1e3:.0f}" for name in ordered)
         lines.append(f"batch-1 first token of {int(tokens):,} tokens, ms: {cells}")
     validated = report["validation"]
     checks = validated[OURS]["checks"]

@@ -25,6 +25,8 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks import (  # noqa: E402
     attention,
+    attention_kernel,
+    attention_op,
     continuations,
     execution_providers,
     kernels,
@@ -431,6 +433,31 @@ def attention_rows() -> str:
     return "\n".join([head, "", attention.table(report)])
 
 
+def attention_kernel_rows() -> str:
+    report = _json(RESULTS / "attention_kernel.json")
+    ran_on = report["provenance"]["machine"]
+    largest = max(found["max_abs_difference"] for found in report["models"].values())
+    head = (
+        f"onnxruntime {report['onnxruntime']} against benchmarks/csrc/gqa.c ({report['compiler']}), one thread each, "
+        f"{ran_on['cpu']} ({'+'.join(ran_on['features'])}); microseconds per layer less each side's cost of a call "
+        f"(the runs cycling through one KV buffer per layer), medians of {report['rounds']} interleaved rounds; "
+        f"the largest difference from onnxruntime's output and cache, checked on each configuration: {largest:.1e}:"
+    )
+    return "\n".join([head, "", attention_kernel.table(report)])
+
+
+def attention_op_tables(model: str = "smollm2-135m") -> str:
+    report = _json(RESULTS / f"{attention_op.result_name(model)}.json")
+    head = (
+        f"{model} {report['variant']} ({report['settings']}), {report['cpus']} cores, issue 23's load: "
+        f"{report['prompt_tokens']}-token prompts without a shared prefix, {report['new_tokens']} new tokens, "
+        f"{report['requests_per_stream']} requests a stream, each engine in fresh processes; medians of "
+        f"{report['rounds']} rounds. Perplexity: the worst validate text's ratio to PyTorch fp32:"
+    )
+    lines = [head, "", attention_op.table(report), ""]
+    return "\n".join(lines + [f"- {line}" for line in attention_op.summary(report)])
+
+
 def _load_peers_report(model: str) -> dict:
     return _json(RESULTS / f"{load_peers.result_name(model)}.json")
 
@@ -484,6 +511,9 @@ RENDERERS = {
     "structured": structured,
     "kernels": kernel_rows,
     "attention": attention_rows,
+    "attention-kernel": attention_kernel_rows,
+    "attention-op": attention_op_tables,
+    "attention-op-gemma3-270m": lambda: attention_op_tables("gemma3-270m"),
     "load-peers": load_peers_tables,
     "task-ab-smollm2-135m": lambda: task_ab_table("smollm2-135m"),
     "task-ab-gemma3-270m": lambda: task_ab_table("gemma3-270m"),

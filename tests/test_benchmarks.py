@@ -253,7 +253,9 @@ def test_rewrite_moves_every_attention_node_and_keeps_the_rest(tmp_path):
     artifact.mkdir()
     (artifact / "model.onnx").write_bytes(attention.attention_model(4, 2, 16, None))
     (artifact / "tokenizer.json").write_text("{}")
+    (tmp_path / "w8a8.runtime.json").write_text('{"session": {}}')
     assert attention_op.rewrite(artifact, tmp_path / "copy") == 1
+    assert (tmp_path / "copy.runtime.json").read_text() == '{"session": {}}'  # its settings come along
     moved = onnx.load(str(tmp_path / "copy" / "model.onnx"))
     assert [n.domain for n in moved.graph.node] == [attention_op.DOMAIN]
     assert attention_op.DOMAIN in {o.domain for o in moved.opset_import}
