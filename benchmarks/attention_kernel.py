@@ -255,13 +255,17 @@ def table(report: dict) -> str:
         ours, theirs = cell["hand_written"], cell["onnxruntime"]
         return f"| {label} | {what} | {theirs:,.0f} | {ours:,.0f} | x{theirs / ours:.2f} |"
 
-    for model, found in report["models"].items():
+    def size(item):
+        return item[1]["heads"] * item[1]["head_dim"] * item[1]["layers"]
+
+    for model, found in sorted(report["models"].items(), key=size):  # the smallest first, as attention.py's
         label = f"{model} ({found['heads']} / {found['kv_heads']} x {found['head_dim']})"
-        for context, by_rows in found["decode_us_per_layer"].items():
-            for r, cell in by_rows.items():
-                lines.append(row(label, f"step, {r} row{'s' * (r != '1')}, context {int(context):,}", cell))
-        for tokens, cell in found["prefill_us_per_layer"].items():
-            lines.append(row(label, f"prefill {int(tokens):,} tokens", cell))
+        for context in sorted(found["decode_us_per_layer"], key=int):
+            by_rows = found["decode_us_per_layer"][context]
+            for r in sorted(by_rows, key=int):
+                lines.append(row(label, f"step, {r} row{'s' * (r != '1')}, context {int(context):,}", by_rows[r]))
+        for tokens in sorted(found["prefill_us_per_layer"], key=int):
+            lines.append(row(label, f"prefill {int(tokens):,} tokens", found["prefill_us_per_layer"][tokens]))
     return "\n".join(lines)
 
 
