@@ -262,12 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=load_peers.DEFAULT_MODEL)
     parser.add_argument("--variant", default="w8a8")
-    parser.add_argument("--streams", default="1,8")
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--requests", type=int, default=2, help="requests each stream sends in turn")
-    parser.add_argument("--long-prompt", type=int, default=2048, help="a long prompt's batch-1 first token")
+    load_peers.add_workload_arguments(parser, streams="1,8")
     parser.add_argument("--no-openvino", dest="openvino", action="store_false", help="leave OpenVINO GenAI out")
     args = parser.parse_args(argv)
     if args.openvino and not openvino_peer.installed():
@@ -276,6 +271,14 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.streams.split(",")[0] != "1":
         raise SystemExit("error: --streams must start with 1 (scaling is against one stream)")
+    from tasks.core.params import load_params
+
+    built = load_params(REPO / paths.PARAMS).builds
+    if f"{args.model}-{args.variant}" not in built:
+        raise SystemExit(
+            f"error: params.yaml builds no {args.model}-{args.variant}; pick --model and --variant from: "
+            f"{', '.join(sorted(built))}"
+        )
     measured = provenance.model_outputs(args.model, [args.variant])
     provenance.require_current(measured)
     folder = paths.variant_dir(args.model, args.variant)

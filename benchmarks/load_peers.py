@@ -293,15 +293,20 @@ def result_name(model: str) -> str:
     return "load_peers" if model == DEFAULT_MODEL else f"load_peers-{model}"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--streams", default="1,4,8")
+def add_workload_arguments(parser: argparse.ArgumentParser, streams: str) -> None:
+    """Issue 23's workload, as this script and attention_op.py run it."""
+    parser.add_argument("--streams", default=streams)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--requests", type=int, default=2, help="requests each stream sends in turn")
     parser.add_argument("--long-prompt", type=int, default=2048, help="a long prompt's batch-1 first token")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    add_workload_arguments(parser, streams="1,4,8")
     args = parser.parse_args(argv)
     if not openvino_peer.installed():
         raise SystemExit(f"error: OpenVINO GenAI's venv is missing; run bash {openvino_peer.SETUP} (about 5 minutes)")
