@@ -14,7 +14,7 @@ its own measuring processes. Each engine runs with the settings the runtime give
 this CPU.
 
     python benchmarks/attention_op.py [--model smollm2-135m] [--variant w8a8] [--streams 1,8]
-                                      [--rounds 2]
+                                      [--rounds 2] [--no-openvino]
 
 Writes benchmarks/results/attention_op[-<model>].json. Needs a C compiler and the built variant.
 """
