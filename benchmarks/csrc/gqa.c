@@ -344,9 +344,20 @@ static void attend_block(const Task *t, int64_t first, int64_t last, float *scra
 /* Prompts (several queries a task) take attend_block. */
 static int blocked(const GqaShape *g) { return g->query_block > 1 && g->seq > 1; }
 
+/* The most keys any query of the call attends to: the longest row's length, or the window. Scratch
+ * follows it, not the buffer's length (a model's whole context, for a row that holds a few). */
+static int64_t most_keys(const GqaShape *g) {
+    int64_t most = 1;
+    for (int64_t b = 0; b < g->batch; b++) {
+        const int64_t end = past_length(g, b) + g->seq;
+        most = end > most ? end : most;
+    }
+    return g->window > 0 && g->window < most ? g->window : most;
+}
+
 static size_t block_scratch_floats(const GqaShape *g) {
     const int64_t group = g->heads / g->kv_heads, padded = (g->query_block * group + 7) / 8 * 8;
-    const int64_t width = g->query_block + (g->window > 0 ? g->window : g->present_len);
+    const int64_t width = g->query_block + most_keys(g);
     return (size_t)(padded * (g->head + width) + g->head * 16);
 }
 
@@ -356,7 +367,7 @@ int64_t gqa_attend_tasks(const GqaShape *g) {
 
 size_t gqa_scratch_floats(const GqaShape *g) {
     const int64_t group = g->heads / g->kv_heads;
-    const size_t one = (size_t)(group * (g->head + g->present_len));
+    const size_t one = (size_t)(group * (g->head + most_keys(g)));
     return blocked(g) ? block_scratch_floats(g) : one;
 }
 
