@@ -307,12 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         "attention_nodes": moved,
         "compiler": attention_kernel.compiler_version(),
         "flags": list(attention_kernel.FLAGS),
-        "cpus": os.cpu_count(),
-        "streams": args.streams.split(","),
-        "prompt_tokens": args.prompt_tokens,
-        "new_tokens": args.new_tokens,
-        "requests_per_stream": args.requests,
-        "rounds": args.rounds,
+        **load_peers.workload_record(args),
         "validation": {
             OURS: validated,
             STOCK: {"passed": True, "checks": gated(read_json(paths.validate_json(args.model, args.variant)))},

@@ -303,6 +303,18 @@ def add_workload_arguments(parser: argparse.ArgumentParser, streams: str) -> Non
     parser.add_argument("--long-prompt", type=int, default=2048, help="a long prompt's batch-1 first token")
 
 
+def workload_record(args: argparse.Namespace) -> dict:
+    """What a result file says of the workload add_workload_arguments set."""
+    return {
+        "cpus": os.cpu_count(),
+        "streams": args.streams.split(","),
+        "prompt_tokens": args.prompt_tokens,
+        "new_tokens": args.new_tokens,
+        "requests_per_stream": args.requests,
+        "rounds": args.rounds,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)
@@ -321,12 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "provenance": provenance.record(provenance.command("load_peers.py", argv), measured, peers),
         "model": args.model,
-        "cpus": os.cpu_count(),
-        "streams": args.streams.split(","),
-        "prompt_tokens": args.prompt_tokens,
-        "new_tokens": args.new_tokens,
-        "requests_per_stream": args.requests,
-        "rounds": args.rounds,
+        **workload_record(args),
         "int4_ppl_budget": load_params(REPO / paths.PARAMS).validation.thresholds["int4"].ppl_ratio,
         "engines": measure(specs, token_ids(args.model), args),
     }
