@@ -232,6 +232,66 @@ def test_the_kernel_as_an_onnxruntime_op_computes_what_onnxruntimes_does(
         assert max(float(np.abs(a - b).max()) for a, b in zip(theirs, ours, strict=True)) < 1e-5
 
 
+def test_the_op_agrees_with_onnxruntime_on_any_batch_it_is_given(kernel_library):
+    """Property: for random head layouts, steps over batches of rows at random lengths and prompts
+    or prompt pieces of random size, with or without a local window, the op's output and cache
+    are onnxruntime's (within float rounding)."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from benchmarks import attention_kernel
+
+    layouts = st.sampled_from([(4, 1, 16), (6, 2, 32), (9, 3, 64), (8, 8, 16), (14, 2, 64)])
+
+    @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(
+        layouts, st.lists(st.integers(1, 70), min_size=1, max_size=4), st.integers(1, 40), st.sampled_from([-1, 5, 16])
+    )
+    def agrees(shape, held, new, window):
+        if new > 1:  # onnxruntime takes a prompt piece one row at a time (so does BatchDecoder)
+            held = held[:1]
+        lengths = [h + new for h in held]  # each row holds `h` tokens before this run of `new`
+        room = max(lengths) + 3
+        sessions = attention_sessions(kernel_library, shape, local_window_size=window, scale=0.0)
+        arrays = attention_kernel.inputs(shape, lengths, new, room, np.random.default_rng(len(lengths) * 97 + new))
+        found = []
+        for session in sessions:
+            copies = {name: array.copy() for name, array in arrays.items()}
+            run, output = attention_kernel.onnxruntime_call(session, copies)
+            run()
+            found.append([output(), copies["past_key"], copies["past_value"]])
+        assert max(float(np.abs(a - b).max()) for a, b in zip(*found, strict=True)) < 1e-4
+
+    agrees()
+
+
+def test_no_lengths_make_the_op_touch_memory_outside_its_buffers(kernel_library):
+    """Fuzz: seqlens_k and total_sequence_length drawn anywhere, sane or not; the op computes or
+    refuses in one error, and the process lives (a write outside a buffer would crash it, or
+    corrupt the heap for a later example)."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from benchmarks import attention_kernel
+
+    shape = (4, 2, 16)
+    _, ours = attention_sessions(kernel_library, shape)
+    lengths = st.lists(st.integers(-3, 40), min_size=1, max_size=3)
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(lengths, st.integers(1, 12), st.integers(-3, 40))
+    def survives(seqlens, new, total):
+        arrays = attention_kernel.inputs(shape, [new] * len(seqlens), new, 16, np.random.default_rng(0))
+        arrays["seqlens_k"] = np.array([[n] for n in seqlens], dtype=np.int32)
+        arrays["total_sequence_length"] = np.array(total, dtype=np.int32)
+        try:
+            ours.run(None, arrays)
+        except Exception as error:  # onnxruntime's own checks, or the op's one line
+            assert "GroupQueryAttention" in str(error)
+
+    survives()
+
+
 def test_the_op_refuses_a_row_that_outgrows_its_buffer(kernel_library):
     """A seqlens_k past the KV buffer is an error naming the cause, before any write (the kernel
     would otherwise write outside the buffer)."""
