@@ -47,7 +47,7 @@ FLAGS = (
     *("-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast", "-fno-math-errno"),
     *("-std=c11", "-fPIC", "-shared"),
 )
-QUERY_BLOCK = 32  # a task's queries in a prompt (ort_op.c's too); a step has one
+QUERY_BLOCK = 32  # a task's queries in a prompt (ort_op.c's QUERY_BLOCK too); a step has one
 ENGINES = ("onnxruntime", "hand_written")
 
 

@@ -45,7 +45,6 @@ static inline float exp_nonpositive(float x) {
     return p * scale.f;
 }
 
-
 typedef float v16 __attribute__((vector_size(64)));
 
 static inline v16 load16(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
@@ -71,8 +70,7 @@ static inline v16 dots16(const float *q, const float *k, int head) {
     for (int i = 0; i < 8; i++) l1[i] = pair_sum(acc[2 * i], acc[2 * i + 1]);
     for (int i = 0; i < 4; i++) l2[i] = pair_sum(l1[2 * i], l1[2 * i + 1]);
     for (int i = 0; i < 2; i++) l3[i] = pair_sum(l2[2 * i], l2[2 * i + 1]);
-    v16 l4 = pair_sum(l3[0], l3[1]);
-    return l4;
+    return pair_sum(l3[0], l3[1]);
 }
 
 static inline void rotate(const float *x, const float *cos_row, const float *sin_row, int half,

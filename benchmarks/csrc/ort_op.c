@@ -18,6 +18,7 @@
 
 #define API_VERSION 17
 #define OP_VERSION 16
+#define QUERY_BLOCK 32 /* a prompt's queries a task: each transposed block of keys serves 32 x group */
 #define DOMAIN "ai.ortforge"
 
 typedef struct OrtStatus OrtStatus;
@@ -244,11 +245,15 @@ static OrtStatus *compute(void *opaque, OrtKernelContext *context) {
     GqaShape g = {
         .batch = batch, .seq = seq, .heads = kernel->heads, .kv_heads = kernel->kv_heads, .head = head,
         .past_len = past_key->dims[2], .rotary_half = cos_cache->dims[1], .window = kernel->window,
-        .query_block = 32, /* a prompt's queries a task: each transposed block of keys serves 32 x group */ .scale = kernel->scale, .softcap = kernel->softcap,
+        .query_block = QUERY_BLOCK, .scale = kernel->scale, .softcap = kernel->softcap,
         .seqlens_k = seqlens->data, .query = query->data, .key = key->data, .value = value->data,
         .past_key = past_key->data, .past_value = past_value->data,
         .cos_cache = cos_cache->data, .sin_cache = sin_cache->data,
     };
+    int64_t total_count = 1;
+    for (size_t i = 0; i < total->rank; i++) total_count *= total->dims[i];
+    if (total_count != 1)
+        return fail(api, ORT_INVALID_ARGUMENT, "ai.ortforge GroupQueryAttention: total_sequence_length must hold one value");
     const int64_t total_length = *(const int32_t *)total->data;
     g.present_len = g.past_len > total_length ? g.past_len : total_length;
     g.first_prompt = seq == total_length;
