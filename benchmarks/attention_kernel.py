@@ -155,17 +155,29 @@ def kernel_call(
     return call, lambda: output
 
 
+def results_of(call, output, arrays: dict) -> list[np.ndarray]:
+    """One call's output and the caches it wrote in place: [output, past_key, past_value]."""
+    call()
+    return [output(), arrays["past_key"], arrays["past_value"]]
+
+
+def onnxruntime_results(session, arrays: dict) -> list[np.ndarray]:
+    """A run of session over a copy of arrays, past and present one buffer: results_of it."""
+    copies = {name: array.copy() for name, array in arrays.items()}
+    return results_of(*onnxruntime_call(session, copies), copies)
+
+
+def largest_difference(theirs: list[np.ndarray], ours: list[np.ndarray]) -> float:
+    return max(float(np.abs(a - b).max()) for a, b in zip(theirs, ours, strict=True))
+
+
 def difference(session, kernel, arrays: dict, heads: int, **attributes) -> float:
     """Largest absolute difference between onnxruntime's and the kernel's output and caches after
     one call each, from identical copies of arrays."""
-    theirs = {name: array.copy() for name, array in arrays.items()}
     ours = {name: array.copy() for name, array in arrays.items()}
-    run, their_output = onnxruntime_call(session, theirs)
-    call, our_output = kernel_call(kernel, ours, heads, **attributes)
-    run()
-    call()
-    pairs = [(their_output(), our_output())] + [(theirs[n], ours[n]) for n in ("past_key", "past_value")]
-    return max(float(np.abs(a - b).max()) for a, b in pairs)
+    return largest_difference(
+        onnxruntime_results(session, arrays), results_of(*kernel_call(kernel, ours, heads, **attributes), ours)
+    )
 
 
 def call_overheads_us(session_options, kernel) -> dict:

@@ -26,25 +26,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* exp for the softmax, written so the compiler vectorizes it (libm's expf is a scalar call):
- * 2^n * p(r) with r = x - n ln2 in [-ln2/2, ln2/2], p the degree-6 Taylor polynomial (relative
- * error about 1e-7, float's own rounding). Inputs are <= 0 here (x - max); below -87 they are
- * clamped there (e^-87 is 2e-38, nothing beside the softmax's largest term, 1). */
-static inline float exp_nonpositive(float x) {
-    if (x < -87.0f) x = -87.0f;
-    const float n = floorf(x * 1.44269504f + 0.5f);
-    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f; /* Cody-Waite ln2 */
-    float p = 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    union { float f; int32_t i; } scale = {.i = ((int32_t)n + 127) << 23};
-    return p * scale.f;
-}
-
 typedef float v16 __attribute__((vector_size(64)));
 
 static inline v16 load16(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
@@ -135,9 +116,12 @@ static void key_range(const GqaShape *g, int64_t past, int64_t s, int64_t *lo, i
 
 typedef int32_t v16i __attribute__((vector_size(64)));
 
-/* exp_nonpositive on 16 lanes, in vector code (the compiler left the scalar loop scalar): n is
- * x log2(e) rounded (for x <= 0, truncating x log2(e) - 0.5 rounds it), 2^n built in the
- * exponent's bits. */
+/* exp of 16 lanes for the softmax, in vector code (libm's expf is a scalar call, and a scalar loop
+ * GCC reported vectorized ran scalar): 2^n * p(r) with n = x log2(e) rounded (for x <= 0,
+ * truncating x log2(e) - 0.5 rounds it), r = x - n ln2 in [-ln2/2, ln2/2] (Cody-Waite), p the
+ * degree-6 Taylor polynomial (relative error about 1e-7, float's own rounding), 2^n built in the
+ * exponent's bits. Inputs are <= 0 here (x - max); below -87 they are clamped there (e^-87 is
+ * 2e-38, nothing beside the softmax's largest term, 1). */
 static inline v16 exp16_nonpositive(v16 x) {
     const v16i low = x < -87.0f;
     x = (v16)(((v16i)x & ~low) | ((v16i)((v16){0} - 87.0f) & low));
@@ -169,9 +153,13 @@ static void softmax(float *row, int64_t n, float softcap) {
     }
     float total = 0.0f;
     for (int i = 0; i < 16; i++) total += sums[i];
-    for (; j < n; j++) {
-        row[j] = exp_nonpositive(row[j] - peak);
-        total += row[j];
+    if (j < n) { /* the last 1 to 15 scores: one more vector, its spare lanes left out of the sum */
+        float tail[16];
+        for (int i = 0; i < 16; i++) tail[i] = peak; /* spare lanes: exp(0) */
+        memcpy(tail, row + j, (size_t)(n - j) * sizeof(float));
+        const v16 e = exp16_nonpositive(load16(tail) - peak);
+        for (int64_t i = 0; i < n - j; i++) total += e[i];
+        store_scores(row + j, e, n - j);
     }
     const float inverse = 1.0f / total;
 #pragma omp simd
