@@ -1,5 +1,5 @@
 """Would a hand-written attention kernel, the custom op issue 23 names, beat onnxruntime's?
-benchmarks/csrc/gqa.c, compiled here with the machine's C compiler, against onnxruntime 1.32's
+ortforge/csrc/gqa.c (ortforge/custom_ops.py's library, built for this machine), against onnxruntime 1.32's
 GroupQueryAttention, one thread each, at real models' attention shapes; each configuration first
 checks that both give the same output and cache.
 
@@ -21,11 +21,8 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -34,38 +31,23 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks import attention, provenance  # noqa: E402
+from ortforge import custom_ops  # noqa: E402
 from tasks.core.files import atomic_write_json  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
-# The kernel, and the same kernel as an onnxruntime custom op (attention_op.py): one library.
-SOURCES = tuple(REPO / "benchmarks" / "csrc" / name for name in ("gqa.c", "ort_op.c"))
-# -march=native: built where it runs, for this CPU's vector width; -fopenmp-simd: the loops'
-# `omp simd` reductions vectorize without OpenMP's runtime; -ffp-contract=fast: a multiply and an
-# add become one fused multiply-add (ISO C mode would keep them apart); no -ffast-math (the
-# softmax's clamping and the comparison with onnxruntime need IEEE floats).
-FLAGS = (
-    *("-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=fast", "-fno-math-errno"),
-    *("-std=c11", "-fPIC", "-shared"),
-)
 QUERY_BLOCK = 32  # a task's queries in a prompt (ort_op.c's QUERY_BLOCK too); a step has one
 ENGINES = ("onnxruntime", "hand_written")
 
 
 def compiler() -> str:
-    name = os.environ.get("CC", "cc")
-    if shutil.which(name) is None:
-        raise SystemExit(f"error: no C compiler {name!r} on PATH; install one (apt-get install gcc) or set CC")
-    return name
-
-
-def compile_kernel(out_dir: Path) -> Path:
-    library = out_dir / "libortforge_gqa.so"
-    subprocess.run([compiler(), *FLAGS, "-o", str(library), *map(str, SOURCES), "-lm"], check=True)
-    return library
+    try:
+        return custom_ops.compiler()
+    except custom_ops.KernelUnavailable as error:
+        raise SystemExit(f"error: {error}") from None
 
 
 class GqaShape(ctypes.Structure):
-    """benchmarks/csrc/gqa.h's GqaShape, field for field."""
+    """ortforge/csrc/gqa.h's GqaShape, field for field."""
 
     _fields_ = [
         *[(name, ctypes.c_int64) for name in ("batch", "seq", "heads", "kv_heads", "head")],
@@ -299,16 +281,18 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"error: unknown model {unknown[0]}; pick from {', '.join(attention.SHAPES)}")
     numbers = {key: [int(n) for n in getattr(args, key).split(",")] for key in ("rows", "contexts", "prompts")}
-    with tempfile.TemporaryDirectory() as built:
-        kernel = load(compile_kernel(Path(built)))
-        measured = {
-            m: measure(m, kernel, numbers["rows"], numbers["contexts"], numbers["prompts"], args.rounds) for m in models
-        }
+    try:
+        kernel = load(custom_ops.library())
+    except custom_ops.KernelUnavailable as error:
+        raise SystemExit(f"error: {error}") from None
+    measured = {
+        m: measure(m, kernel, numbers["rows"], numbers["contexts"], numbers["prompts"], args.rounds) for m in models
+    }
     report = {
         "provenance": provenance.record(provenance.command("attention_kernel.py", argv)),
         "onnxruntime": attention.onnxruntime_version(),
         "compiler": compiler_version(),
-        "flags": list(FLAGS),
+        "flags": list(custom_ops.FLAGS),
         "threads": 1,
         "rounds": args.rounds,
         **numbers,

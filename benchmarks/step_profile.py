@@ -66,12 +66,14 @@ def profile_variant(folder: str, prompts: list[list[int]], steps: int, repeats: 
     time per operation (a prefill, a step)."""
     import onnxruntime as ort
 
+    from ortforge import custom_ops
     from ortforge.batch import BatchDecoder
     from ortforge.names import MODEL_FILE
     from ortforge.session import SessionSettings
 
     settings = SessionSettings.for_artifact(Path(folder))
     options = settings.session_options()
+    custom_ops.register(options, Path(folder) / MODEL_FILE)
     scratch = tempfile.mkdtemp(prefix="ortforge-profile-")
     options.enable_profiling, options.profile_file_prefix = True, os.path.join(scratch, "ort")
     session = ort.InferenceSession(str(Path(folder) / MODEL_FILE), options, providers=["CPUExecutionProvider"])

@@ -23,6 +23,19 @@ def tool_lines(root: Path) -> list[str]:
     return ["tools (installed vs versions.yaml):", *lines]
 
 
+def kernel_line() -> str:
+    """Where ortforge's attention kernel (variants with `attention: ortforge`) stands here; builds nothing."""
+    from ortforge import custom_ops
+
+    label = "attention kernel (attention: ortforge)"
+    try:
+        cc = custom_ops.compiler()
+    except custom_ops.KernelUnavailable as error:
+        return f"{label}: unavailable: {error}"
+    built = custom_ops.cached_library(cc)
+    return f"{label}: built for this CPU ({built})" if built.is_file() else f"{label}: {cc} builds it on first use"
+
+
 def report(root: Path) -> list[str]:
     import psutil
 
@@ -37,5 +50,6 @@ def report(root: Path) -> list[str]:
         f"threads: {usable} usable of {os.cpu_count()} logical CPUs (physical cores: {psutil.cpu_count(False)})",
         f"memory: {memory.available / 1e9:.1f} GB available of {memory.total / 1e9:.1f} GB",
         f"disk: {disk.free / 1e9:.1f} GB free at {root}",
+        kernel_line(),
         *tool_lines(root),
     ]

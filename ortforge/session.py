@@ -14,7 +14,7 @@ from pathlib import Path
 
 import onnxruntime as ort
 
-from ortforge import machine
+from ortforge import custom_ops, machine
 from ortforge.manifest import runtime_config
 from ortforge.names import MODEL_FILE
 
@@ -108,15 +108,16 @@ class SessionSettings:
 
 
 def create_session(model_dir: Path, settings: SessionSettings | None = None) -> ort.InferenceSession:
-    """A CPU session for the artifact in model_dir; ValueError if its weights point outside it."""
+    """A CPU session for the artifact in model_dir, with the custom ops its graph uses; ValueError
+    if its weights point outside it or a custom op cannot be had."""
     model_dir = Path(model_dir)
     if not (model_dir / MODEL_FILE).is_file():
         raise ValueError(f"{model_dir} has no {MODEL_FILE}; point at an artifact folder (artifacts/<m>/variants/<v>)")
     settings = settings or SessionSettings.for_artifact(model_dir)
+    options = settings.session_options()
+    custom_ops.register(options, model_dir / MODEL_FILE)
     try:
-        return ort.InferenceSession(
-            str(model_dir / MODEL_FILE), settings.session_options(), providers=["CPUExecutionProvider"]
-        )
+        return ort.InferenceSession(str(model_dir / MODEL_FILE), options, providers=["CPUExecutionProvider"])
     except Exception as error:
         # onnxruntime refuses external data outside the model's folder (absolute, "..", or a link
         # leading out); say so in one line instead of its C++ trace.

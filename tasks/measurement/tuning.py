@@ -167,11 +167,13 @@ def optimized_graph_digest(model_dir: Path, level: str) -> str:
     import onnx
     import onnxruntime as ort
 
+    from ortforge import custom_ops
     from ortforge.names import MODEL_FILE
     from ortforge.session import SessionSettings
 
     with tempfile.TemporaryDirectory(prefix="ortforge-graph-") as scratch:
         options = SessionSettings(graph_level=level).session_options()
+        custom_ops.register(options, model_dir / MODEL_FILE)
         options.optimized_model_filepath = str(Path(scratch) / MODEL_FILE)
         options.add_session_config_entry("session.optimized_model_external_initializers_file_name", "weights.data")
         options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")

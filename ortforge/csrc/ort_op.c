@@ -1,6 +1,6 @@
 /* gqa.c as an onnxruntime custom op: ai.ortforge GroupQueryAttention, the same inputs, outputs and
  * attributes as com.microsoft's, so a graph swaps one for the other by the nodes' domain
- * (benchmarks/attention_op.py does, on a copy of an artifact).
+ * (a variant whose recipe says `attention: ortforge`: tasks/quantization/attention.py moves its nodes).
  *
  * onnxruntime's C API headers are not shipped by any package this project can install (the PyPI
  * wheel, npm's onnxruntime-node and Debian 12 carry none), so the few entries used are reached by

@@ -1,5 +1,5 @@
-/* A hand-written GroupQueryAttention for the CPU: the candidate kernel of a custom op, timed
- * against onnxruntime's own by benchmarks/attention_kernel.py (through ctypes, one thread).
+/* A hand-written GroupQueryAttention for the CPU: ortforge's custom op (ort_op.c), timed against
+ * onnxruntime's own by benchmarks/attention_kernel.py (through ctypes, one thread).
  *
  * It keeps onnxruntime's contract for com.microsoft GroupQueryAttention (rotary inside; KV cache
  * in [batch, kv_heads, buffer, head] buffers that past and present may share; a head size that is
@@ -10,7 +10,7 @@
  * sums, not 16 horizontal reductions); a prompt's block of queries transposes each 16 keys once
  * and scores them with broadcast multiply-adds, 8 query vectors at a time.
  *
- * Semantics followed exactly (tests/test_benchmarks.py compares outputs and caches with
+ * Semantics followed exactly (tests/test_custom_ops.py compares outputs and caches with
  * onnxruntime 1.32's on batched rows of different lengths, prompts, prompt pieces, a local window,
  * softcap and partial rotary):
  * - a row's total length is seqlens_k[b] + 1; its new tokens sit at the end, so the past length
