@@ -25,6 +25,7 @@ from tasks.graphs import architecture, decoder_graph, onnx_io
 from tasks.graphs.architecture import Architecture
 from tasks.graphs.weights import DATA_SUFFIX, ExternalData, WeightStore, copy_into, fold_chains, prune
 from tasks.quantization import (
+    attention,
     calibration,
     coverage,
     kv_cache,
@@ -335,6 +336,8 @@ def run(
         calib.chunks()  # a missing or short text fails here, before the slow part
     if cfg.kv_bits is not None:
         kv_cache.check_supported(onnx_io.load(model_dir, with_weights=False), model_dir, cfg.kv_cache)
+    if cfg.attention == "ortforge":
+        attention.check_supported(onnx_io.load(model_dir, with_weights=False), model_dir, arch.head_dim)
     log.info("quantizing %s with %s", model_dir, cfg.model_dump(exclude_defaults=True))
     with atomic_output_dir(out_dir) as tmp:
         quantized = quantize_graph(cfg, model_dir, hf_dir, calib, tmp)
@@ -343,6 +346,8 @@ def run(
         if cfg.kv_bits is not None:
             kv_cache.quantize(graph, tmp, calib, arch.context_length, arch.head_dim, cfg.kv_bits, cfg.kv_headroom)
         tag_for_runtime(graph, arch, cfg.kv_bits)
+        if cfg.attention == "ortforge":
+            attention.use_ortforge_kernel(graph)
         stored = coverage.weights(graph)
         for note in quantized.notes:
             log.warning("%s", note)
@@ -357,7 +362,7 @@ def run(
             {
                 **record,
                 "source": source,
-                "params": (quantized.cfg or cfg).model_dump(),
+                "params": (quantized.cfg or cfg).recorded(),
                 "coverage": coverage.summary(stored),
                 **({"mixed_precision": quantized.mixed_precision} if quantized.mixed_precision else {}),
                 "kept_float": quantized.kept_float,

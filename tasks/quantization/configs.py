@@ -19,7 +19,8 @@ KV_CACHE_BITS = {"float": None, "int8": 8, "int4": 4}
 
 class Recipe(Strict):
     """A method's config: a key of another method is named as such. Every method's graph may store
-    its KV cache quantized (tasks/quantization/kv_cache.py; GroupQueryAttention graphs only)."""
+    its KV cache quantized (tasks/quantization/kv_cache.py) and run its attention on ortforge's own
+    kernel (tasks/quantization/attention.py); both need GroupQueryAttention graphs."""
 
     kv_cache: Literal["float", "int8", "int4"] = Field(
         "float", description="the KV cache's storage: float as the graph computes it, or int8 / int4 codes"
@@ -28,9 +29,32 @@ class Recipe(Strict):
         1.5, ge=1.0, le=8.0, description="value scales: this many times the calibration's largest value"
     )
 
+    attention: Literal["onnxruntime", "ortforge"] = Field(
+        "onnxruntime",
+        description="GroupQueryAttention's kernel: onnxruntime's, or ortforge's (ortforge/custom_ops.py), "
+        "which the runtime compiles with the machine's C compiler",
+    )
+
     @property
     def kv_bits(self) -> int | None:
         return KV_CACHE_BITS[self.kv_cache]
+
+    @model_validator(mode="after")
+    def _attention_kernel_takes_the_cache(self) -> Recipe:
+        if self.attention == "ortforge" and self.kv_cache != "float":
+            raise ValueError(
+                f"attention: ortforge reads a float KV cache and kv_cache is {self.kv_cache}: "
+                "set kv_cache: float, or attention: onnxruntime"
+            )
+        return self
+
+    def recorded(self) -> dict:
+        """Every setting, for the manifest; the attention kernel only where it is not onnxruntime's,
+        so a variant built before the key existed keeps its bytes (and DVC its cache)."""
+        values = self.model_dump()
+        if self.attention == "onnxruntime":
+            del values["attention"]
+        return values
 
     @model_validator(mode="before")
     @classmethod
