@@ -41,6 +41,8 @@ COMMANDS = {
     "attention_kernel.json": "python benchmarks/attention_kernel.py",
     "attention_op.json": "python benchmarks/attention_op.py",
     "attention_op-gemma3-270m.json": "python benchmarks/attention_op.py --model gemma3-270m",
+    "attention_replies.json": "python benchmarks/attention_replies.py",
+    "attention_replies-gemma3-270m.json": "python benchmarks/attention_replies.py --model gemma3-270m",
     "load_peers.json": "python benchmarks/load_peers.py",
     "load_peers-gemma3-270m.json": "python benchmarks/load_peers.py --model gemma3-270m",
     "execution_providers.json": "python benchmarks/execution_providers.py",

@@ -27,6 +27,7 @@ from benchmarks import (  # noqa: E402
     attention,
     attention_kernel,
     attention_op,
+    attention_replies,
     continuations,
     execution_providers,
     kernels,
@@ -438,7 +439,7 @@ def attention_kernel_rows() -> str:
     ran_on = report["provenance"]["machine"]
     largest = max(found["max_abs_difference"] for found in report["models"].values())
     head = (
-        f"onnxruntime {report['onnxruntime']} against benchmarks/csrc/gqa.c ({report['compiler']}), one thread each, "
+        f"onnxruntime {report['onnxruntime']} against ortforge/csrc/gqa.c ({report['compiler']}), one thread each, "
         f"{ran_on['cpu']} ({'+'.join(ran_on['features'])}); microseconds per layer less each side's cost of a call "
         f"(the runs cycling through one KV buffer per layer), medians of {report['rounds']} interleaved rounds; "
         f"the largest difference from onnxruntime's output and cache, checked on each configuration: {largest:.1e}:"
@@ -446,10 +447,27 @@ def attention_kernel_rows() -> str:
     return "\n".join([head, "", attention_kernel.table(report)])
 
 
+def attention_replies_tables() -> str:
+    """Both models' replies beside their twins' on ortforge's kernel, one table each."""
+    blocks = []
+    for model in ("smollm2-135m", "gemma3-270m"):
+        report = _json(RESULTS / f"{attention_replies.result_name(model)}.json")
+        questions = next(iter(report["pairs"].values()))["questions"]
+        blocks.append(
+            f"{model}: greedy replies of {report['new_tokens']} tokens to the {questions} "
+            f"questions of {report['questions_file']} (plain prompts); chat QA scores from the evaluate stage "
+            "(variant / twin):\n\n" + attention_replies.table(report)
+        )
+    return "\n\n".join(blocks)
+
+
 def attention_op_tables(model: str = "smollm2-135m") -> str:
     report = _json(RESULTS / f"{attention_op.result_name(model)}.json")
+    stock, ours = (report["variants"][role] for role in (attention_op.STOCK, attention_op.OURS))
+    settings = "; ".join(sorted({report["settings"][role] for role in (attention_op.STOCK, attention_op.OURS)}))
     head = (
-        f"{model} {report['variant']} ({report['settings']}), {report['cpus']} cores, issue 23's load: "
+        f"{model} {stock} and {ours}, its twin on ortforge's attention kernel (settings: {settings}), "
+        f"{report['cpus']} cores, issue 23's load: "
         f"{report['prompt_tokens']}-token prompts without a shared prefix, {report['new_tokens']} new tokens, "
         f"{report['requests_per_stream']} requests a stream, each engine in fresh processes; medians of "
         f"{report['rounds']} rounds. Perplexity: the worst validate text's ratio to PyTorch fp32:"
@@ -514,6 +532,7 @@ RENDERERS = {
     "attention-kernel": attention_kernel_rows,
     "attention-op": attention_op_tables,
     "attention-op-gemma3-270m": lambda: attention_op_tables("gemma3-270m"),
+    "attention-replies": attention_replies_tables,
     "load-peers": load_peers_tables,
     "task-ab-smollm2-135m": lambda: task_ab_table("smollm2-135m"),
     "task-ab-gemma3-270m": lambda: task_ab_table("gemma3-270m"),

@@ -3,8 +3,6 @@ greedy tokens (they are comparable), and the summaries compute what they say. No
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -117,57 +115,6 @@ def test_attention_times_each_cache_at_each_row_count_and_writes_in_place(monkey
         assert changed.tolist() == [8] and np.isfinite(binding.get_outputs()[0].numpy()).all()
 
 
-@pytest.fixture(scope="module")
-def kernel_library(tmp_path_factory) -> Path:
-    from benchmarks import attention_kernel
-
-    if shutil.which(os.environ.get("CC", "cc")) is None:
-        pytest.skip("no C compiler to build benchmarks/csrc")
-    return attention_kernel.compile_kernel(tmp_path_factory.mktemp("gqa"))
-
-
-@pytest.fixture(scope="module")
-def hand_written_kernel(kernel_library):
-    from benchmarks import attention_kernel
-
-    return attention_kernel.load(kernel_library)
-
-
-@pytest.mark.parametrize(
-    ("shape", "lengths", "new", "room", "attributes", "rotary_half"),
-    [
-        ((9, 3, 64), [1], 1, 16, {}, 0),  # a first token
-        ((9, 3, 64), [5, 9, 1, 40], 1, 48, {}, 0),  # a step over rows of different lengths
-        ((9, 3, 64), [37], 37, 40, {}, 0),  # a prompt
-        ((9, 3, 64), [37], 21, 40, {}, 0),  # a prompt's second piece
-        ((4, 1, 256), [40], 40, 64, {"local_window": 8}, 0),  # Gemma's sliding layers
-        ((4, 1, 256), [30, 50], 1, 64, {"local_window": 8}, 0),
-        ((4, 1, 256), [30, 50], 1, 64, {"softcap": 5.0, "scale": 0.0625}, 0),  # Gemma 2's softcap
-        ((8, 2, 64), [20], 20, 32, {}, 16),  # partial rotary: 32 of 64 channels
-        ((14, 2, 64), [40], 40, 48, {}, 0),  # a group of 7 query heads (Qwen2.5 0.5B)
-        ((14, 2, 64), [40, 9], 1, 48, {}, 0),
-    ],
-)
-def test_hand_written_attention_computes_what_onnxruntimes_does(
-    hand_written_kernel, shape, lengths, new, room, attributes, rotary_half
-):
-    """The kernel attention_kernel.py times keeps onnxruntime's contract: the same output and the
-    same cache (new keys rotated and written at each row's own position), on every path."""
-    import onnxruntime as ort
-
-    from benchmarks import attention, attention_kernel
-
-    attributes = dict(attributes)  # parametrize's own dict, kept whole for a rerun
-    window = attributes.pop("local_window", -1)
-    ort_attributes = {"local_window_size": window, "softcap": 0.0, "scale": 0.0} | attributes
-    session = ort.InferenceSession(
-        attention.attention_model(*shape, None, **ort_attributes), providers=["CPUExecutionProvider"]
-    )
-    arrays = attention_kernel.inputs(shape, lengths, new, room, np.random.default_rng(1), rotary_half)
-    kernel_attributes = {"window": window, "softcap": ort_attributes["softcap"], "scale": ort_attributes["scale"]}
-    assert attention_kernel.difference(session, hand_written_kernel, arrays, shape[0], **kernel_attributes) < 1e-5
-
-
 def test_attention_kernel_times_both_kernels_and_tabulates(monkeypatch, hand_written_kernel):
     from benchmarks import attention, attention_kernel
 
@@ -179,142 +126,6 @@ def test_attention_kernel_times_both_kernels_and_tabulates(monkeypatch, hand_wri
     assert set(found["prefill_us_per_layer"]["20"]) == set(attention_kernel.ENGINES)
     lines = attention_kernel.table({"models": {"tiny": found}}).splitlines()
     assert len(lines) == 5 and lines[-1].startswith("| tiny (4 / 2 x 16) | prefill 20 tokens | ")
-
-
-def attention_sessions(kernel_library, shape, **attributes):
-    """One GroupQueryAttention node as com.microsoft's and as ai.ortforge's (2 threads each)."""
-    import onnx
-    import onnxruntime as ort
-
-    from benchmarks import attention, attention_op
-
-    stock = attention.attention_model(*shape, None, **attributes)
-    ours = onnx.load_from_string(stock)
-    ours.graph.node[0].domain = attention_op.DOMAIN
-    ours.opset_import.append(onnx.helper.make_opsetid(attention_op.DOMAIN, 1))
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 2
-    options.register_custom_ops_library(str(kernel_library))
-    cpu = ["CPUExecutionProvider"]
-    return ort.InferenceSession(stock, providers=cpu), ort.InferenceSession(
-        ours.SerializeToString(), options, providers=cpu
-    )
-
-
-@pytest.mark.parametrize(
-    ("shape", "lengths", "new", "room", "window"),
-    [
-        ((9, 3, 64), [5, 9, 1, 40], 1, 48, -1),  # a step over rows of different lengths
-        ((9, 3, 64), [37], 37, 40, -1),  # a prompt
-        ((9, 3, 64), [37], 21, 40, -1),  # a prompt's second piece
-        ((4, 1, 256), [30, 50], 1, 64, 8),  # Gemma's sliding layers
-    ],
-)
-def test_the_kernel_as_an_onnxruntime_op_computes_what_onnxruntimes_does(
-    kernel_library, shape, lengths, new, room, window
-):
-    """ai.ortforge GroupQueryAttention in a session, on onnxruntime's threads: the same output and
-    cache as com.microsoft's, whether past and present share one buffer (as BatchDecoder binds
-    them) or onnxruntime allocates the present (a plain run)."""
-    from benchmarks import attention_kernel
-
-    sessions = attention_sessions(kernel_library, shape, local_window_size=window, scale=0.0)
-    arrays = attention_kernel.inputs(shape, lengths, new, room, np.random.default_rng(2))
-    shared = [attention_kernel.onnxruntime_results(session, arrays) for session in sessions]
-    separate = [session.run(None, arrays) for session in sessions]
-    for theirs, ours in (shared, separate):
-        assert [a.shape for a in theirs] == [b.shape for b in ours]
-        assert attention_kernel.largest_difference(theirs, ours) < 1e-5
-
-
-def test_the_op_agrees_with_onnxruntime_on_any_batch_it_is_given(kernel_library):
-    """Property: for random head layouts, steps over batches of rows at random lengths and prompts
-    or prompt pieces of random size, with or without a local window, the op's output and cache
-    are onnxruntime's (within float rounding)."""
-    from hypothesis import HealthCheck, given, settings
-    from hypothesis import strategies as st
-
-    from benchmarks import attention_kernel
-
-    layouts = st.sampled_from([(4, 1, 16), (6, 2, 32), (9, 3, 64), (8, 8, 16), (14, 2, 64)])
-
-    @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-    @given(
-        layouts, st.lists(st.integers(1, 70), min_size=1, max_size=4), st.integers(1, 40), st.sampled_from([-1, 5, 16])
-    )
-    def agrees(shape, held, new, window):
-        if new > 1:  # onnxruntime takes a prompt piece one row at a time (so does BatchDecoder)
-            held = held[:1]
-        lengths = [h + new for h in held]  # each row holds `h` tokens before this run of `new`
-        room = max(lengths) + 3
-        sessions = attention_sessions(kernel_library, shape, local_window_size=window, scale=0.0)
-        arrays = attention_kernel.inputs(shape, lengths, new, room, np.random.default_rng(len(lengths) * 97 + new))
-        theirs, ours = (attention_kernel.onnxruntime_results(session, arrays) for session in sessions)
-        assert attention_kernel.largest_difference(theirs, ours) < 1e-4
-
-    agrees()
-
-
-def test_no_lengths_make_the_op_touch_memory_outside_its_buffers(kernel_library):
-    """Fuzz: seqlens_k and total_sequence_length drawn anywhere, sane or not; the op computes or
-    refuses in one error, and the process lives (a write outside a buffer would crash it, or
-    corrupt the heap for a later example)."""
-    from hypothesis import HealthCheck, given, settings
-    from hypothesis import strategies as st
-
-    from benchmarks import attention_kernel
-
-    shape = (4, 2, 16)
-    _, ours = attention_sessions(kernel_library, shape)
-    lengths = st.lists(st.integers(-3, 40), min_size=1, max_size=3)
-
-    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-    @given(lengths, st.integers(1, 12), st.integers(-3, 40))
-    def survives(seqlens, new, total):
-        arrays = attention_kernel.inputs(shape, [new] * len(seqlens), new, 16, np.random.default_rng(0))
-        arrays["seqlens_k"] = np.array([[n] for n in seqlens], dtype=np.int32)
-        arrays["total_sequence_length"] = np.array(total, dtype=np.int32)
-        try:
-            ours.run(None, arrays)
-        except Exception as error:  # onnxruntime's own checks, or the op's one line
-            assert "GroupQueryAttention" in str(error)
-
-    survives()
-
-
-def test_the_op_refuses_a_row_that_outgrows_its_buffer(kernel_library):
-    """A seqlens_k past the KV buffer is an error naming the cause, before any write (the kernel
-    would otherwise write outside the buffer)."""
-    from benchmarks import attention_kernel
-
-    _, ours = attention_sessions(kernel_library, (9, 3, 64))
-    arrays = attention_kernel.inputs((9, 3, 64), [10], 1, 10, np.random.default_rng(3))
-    arrays["seqlens_k"][:] = 500
-    with pytest.raises(Exception, match="a row outgrows its KV buffer"):
-        ours.run(None, arrays)
-
-
-def test_rewrite_moves_every_attention_node_and_keeps_the_rest(tmp_path):
-    import onnx
-
-    from benchmarks import attention, attention_op
-
-    artifact = tmp_path / "w8a8"
-    artifact.mkdir()
-    (artifact / "model.onnx").write_bytes(attention.attention_model(4, 2, 16, None))
-    (artifact / "tokenizer.json").write_text("{}")
-    (tmp_path / "w8a8.runtime.json").write_text('{"session": {}}')
-    assert attention_op.rewrite(artifact, tmp_path / "copy") == 1
-    assert (tmp_path / "copy.runtime.json").read_text() == '{"session": {}}'  # its settings come along
-    moved = onnx.load(str(tmp_path / "copy" / "model.onnx"))
-    assert [n.domain for n in moved.graph.node] == [attention_op.DOMAIN]
-    assert attention_op.DOMAIN in {o.domain for o in moved.opset_import}
-    assert (tmp_path / "copy" / "tokenizer.json").read_text() == "{}"
-    plain = onnx.load(str(tmp_path / "copy" / "model.onnx"))
-    plain.graph.node[0].op_type = "MatMul"
-    onnx.save(plain, str(artifact / "model.onnx"))
-    with pytest.raises(SystemExit, match="no GroupQueryAttention node"):
-        attention_op.rewrite(artifact, tmp_path / "again")
 
 
 def test_memory_bandwidth_is_measured():
@@ -539,3 +350,77 @@ def test_prefill_pieces_times_every_length_and_piece_and_shows_the_runtimes_agai
     assert rows == ["| fp32 | 12 | 10 | 9 | 10 | x1.00 |", "| fp32 | 40 | 40 | 30 | - | - |"]
     memory = prefill_pieces.peak_memory(str(built["fp32"]), ids, 8)
     assert memory["peak_mb"] >= memory["loaded_mb"] > 0
+
+
+def test_attention_op_finds_the_kernel_twin_and_tabulates_both():
+    """attention_op.py pairs a variant with the build of the same recipe on ortforge's kernel, and
+    its summary names both and the peer."""
+    from benchmarks import attention_op
+    from tasks.core.params import Build
+    from tasks.quantization.configs import quantize_config
+
+    recipes = {
+        "w8a8": quantize_config(method="int8_per_token"),
+        "w8a8_attn": quantize_config(method="int8_per_token", attention="ortforge"),
+        "int4": quantize_config(method="weight_only"),
+        "int4_attn": quantize_config(method="weight_only", attention="ortforge"),
+        "int8": quantize_config(method="weight_only", bits=8),
+    }
+    builds = {f"m-{v}": Build(model="m", variant=v) for v in recipes}
+    assert attention_op.kernel_twin(builds, recipes, "m", "w8a8") == "w8a8_attn"
+    assert attention_op.kernel_twin(builds, recipes, "m", "int4") == "int4_attn"
+    with pytest.raises(SystemExit, match="builds no m variant with int8's recipe and attention: ortforge"):
+        attention_op.kernel_twin(builds, recipes, "m", "int8")
+    with pytest.raises(SystemExit, match="int4_attn runs ortforge's kernel already"):
+        attention_op.kernel_twin(builds, recipes, "m", "int4_attn")
+
+    def load(tps: float) -> dict:
+        return {
+            "aggregate_tokens_per_second": tps,
+            "seconds_to_first_token_p50": 0.1,
+            "seconds_to_first_token_p95": 0.2,
+            "inter_token_ms_p50": 10.0,
+            "inter_token_ms_p95": 12.0,
+        }
+
+    def engine(one: float, eight: float) -> dict:
+        return {
+            "load": {"1": load(one), "8": load(eight)},
+            "throughput_by_round": {"1": [one, one], "8": [eight * 0.9, eight * 1.1]},
+            "first_token_seconds": {"128": 0.07},
+        }
+
+    peer = "OpenVINO GenAI int8 (CPU defaults)"
+    report = {
+        "streams": ["1", "8"],
+        "variants": {attention_op.STOCK: "w8a8", attention_op.OURS: "w8a8_attn"},
+        "engines": {
+            attention_op.STOCK: engine(80, 240),
+            attention_op.OURS: engine(90, 300),
+            peer: {**engine(70, 250), "quality": {"ppl_ratio": 1.01}},
+        },
+        "validation": {
+            attention_op.STOCK: {"passed": True, "checks": {"ppl_ratio[a.txt]": 1.02}},
+            attention_op.OURS: {"passed": True, "checks": {"ppl_ratio[a.txt]": 1.03}},
+        },
+    }
+    lines = attention_op.summary(report)
+    assert lines[0].startswith("w8a8_attn against w8a8, 8 streams: x1.25 the throughput")
+    assert lines[2] == "round by round at 8 streams against w8a8: x1.25, x1.25 (ahead in 2 of 2)"
+    assert lines[3].startswith(f"round by round at 8 streams against {peer}: x1.20, x1.20")
+    assert lines[4].startswith(f"w8a8_attn against {peer} at 8 streams: throughput x1.20 (w8a8 x0.96)")
+    assert lines[-1] == "validate's gates on w8a8_attn: passed; ppl_ratio[a.txt] 1.03 (w8a8 1.02)"
+    rows = attention_op.table(report).splitlines()
+    assert rows[3].startswith("| ortforge w8a8_attn | 1.030 | 1 | 90.0 |") and rows[4].startswith(f"| {peer} | 1.010 |")
+
+
+def test_attention_replies_counts_where_replies_part():
+    from benchmarks import attention_replies
+
+    assert attention_replies.parting([1, 2, 3], [1, 2, 3]) is None
+    assert attention_replies.parting([1, 2, 3], [1, 5, 3]) == 1
+    assert attention_replies.parting([1, 2], [1, 2, 3]) == 2  # one ending sooner parts there
+    found = attention_replies.compare([[1, 2], [3, 4], [5]], [[1, 2], [3, 9], [5, 6]])
+    assert found == {"questions": 3, "identical": 1, "first_parting_tokens": [1, 1]}
+    report = {"pairs": {"w8a8": {"twin": "w8a8_attn", **found, "chat_qa_scores": {"w8a8": 0.55, "w8a8_attn": 0.45}}}}
+    assert attention_replies.table(report).splitlines()[-1] == "| w8a8 | w8a8_attn | 1 of 3 | 1 | 55% / 45% |"
