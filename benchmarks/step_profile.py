@@ -3,7 +3,7 @@ step with 1, 4 and 8 occupied rows and over a 128-token prefill, and the Python 
 model runs: BatchDecoder's bindings and copies, then the scheduler's own work per step (sampling
 each row, handing tokens over).
 
-    python benchmarks/step_profile.py [--model smollm2-135m] [--variants int4 int8 w8a8 fp32] [--steps 30]
+    python benchmarks/step_profile.py [--model smollm2-135m] [--variants int4 int8 w8a8 w8a8_attn fp32] [--steps 30]
 
 Each variant runs in its own fresh process with the session settings bench tuned for it
 (runtime.json), as `ortforge serve` runs it. Profiling costs a little time per operator, so the
@@ -252,7 +252,7 @@ def _sum(ops: dict[str, float], prefix: str) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--variants", nargs="+", default=["int4", "int8", "w8a8", "fp32"])
+    parser.add_argument("--variants", nargs="+", default=["int4", "int8", "w8a8", "w8a8_attn", "fp32"])
     parser.add_argument("--steps", type=int, default=30, help="timed steps per number of rows")
     parser.add_argument("--repeats", type=int, default=5, help="timed prefills")
     parser.add_argument("--new-tokens", type=int, default=48, help="tokens per job in the scheduler's run")

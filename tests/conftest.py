@@ -227,6 +227,17 @@ def hand_written_kernel(kernel_library):
 
 
 @pytest.fixture(scope="session")
+def on_our_kernel(built, kernel_library, tmp_path_factory) -> Path:
+    """The tiny model's fp32 recipe with `attention: ortforge`: the built fp32 variant's twin."""
+    from tasks import quantize
+    from tasks.quantization.configs import quantize_config
+
+    out = tmp_path_factory.mktemp("attention") / "fp32_attn"
+    quantize.run(quantize_config(method="fp32", attention="ortforge"), built["optimized"], built["hf"], out, {})
+    return out
+
+
+@pytest.fixture(scope="session")
 def params(tiny_hf):
     from tasks.core.params import Params
 

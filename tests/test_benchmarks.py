@@ -352,6 +352,29 @@ def test_prefill_pieces_times_every_length_and_piece_and_shows_the_runtimes_agai
     assert memory["peak_mb"] >= memory["loaded_mb"] > 0
 
 
+def test_step_profile_splits_each_phase_into_operators_and_the_python_around_them(on_our_kernel):
+    """step_profile.py on the tiny model, on ortforge's attention kernel: every phase's model runs
+    found in the profiler's trace (the custom op's among them), the scheduler timed without it, and
+    both summaries read from the same figures."""
+    from benchmarks import step_profile
+
+    prompts = [list(range(5 + row, 17 + row)) for row in range(max(step_profile.ROWS))]
+    figures = step_profile.profile_variant(str(on_our_kernel), prompts, 2, 1)
+    labels = [step_profile.PREFILL, *(step_profile.step_label(rows) for rows in step_profile.ROWS)]
+    assert sorted(figures["phases"]) == sorted(labels)
+    for label in labels:
+        phase = figures["phases"][label]
+        assert phase["model_runs_per_operation"] == 1 and phase["wall_ms_p50"] >= phase["model_run_ms"] > 0
+        assert phase["ops_ms"]["GroupQueryAttention"] > 0
+    figures["scheduler"] = step_profile.scheduler_time(str(on_our_kernel), prompts, 4)
+    assert all(figures["scheduler"][str(rows)]["steps"] > 0 for rows in step_profile.ROWS)
+    report = {"variants": {"fp32_attn": figures}}
+    assert len(step_profile.table(report).splitlines()) == 2 + len(labels)
+    (line,) = step_profile.batching_cost(report)
+    one, eight = (figures["scheduler"][rows]["batch_step_ms_p50"] for rows in ("1", "8"))
+    assert line.startswith(f"- fp32_attn: a step of 8 rows takes x{eight / one:.2f} the time of 1 row")
+
+
 def test_attention_op_finds_the_kernel_twin_and_tabulates_both():
     """attention_op.py pairs a variant with the build of the same recipe on ortforge's kernel, and
     its summary names both and the peer."""

@@ -164,14 +164,6 @@ def test_the_op_refuses_a_row_that_outgrows_its_buffer(kernel_library):
         ours.run(None, arrays)
 
 
-@pytest.fixture(scope="module")
-def on_our_kernel(built, kernel_library, tmp_path_factory):
-    """The tiny model's fp32 recipe with `attention: ortforge`: the built fp32 variant's twin."""
-    out = tmp_path_factory.mktemp("attention") / "fp32_attn"
-    quantize.run(quantize_config(method="fp32", attention="ortforge"), built["optimized"], built["hf"], out, {})
-    return out
-
-
 def test_a_variant_on_our_kernel_imports_its_domain_and_moves_every_attention_node(on_our_kernel, built):
     import onnx
 
