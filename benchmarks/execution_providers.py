@@ -53,6 +53,7 @@ CONFIGS = {
 PROMPT_TOKENS = 128
 NEW_TOKENS = 32
 PREFILLS = 3  # timed, after one warm-up
+NO_DEVICE = f"the plugin lists no {OPENVINO} device on this CPU (onnxruntime.get_ep_devices())"
 
 
 def run_config(folder: str, plugin: str, properties: dict | None, prompt: list[int]) -> dict:
@@ -69,7 +70,10 @@ def run_config(folder: str, plugin: str, properties: dict | None, prompt: list[i
     version = None
     if properties is not None:
         ort.register_execution_provider_library(OPENVINO, plugin)
-        version = next(d.ep_metadata.get("version") for d in ort.get_ep_devices() if d.ep_name == OPENVINO)
+        devices = [d for d in ort.get_ep_devices() if d.ep_name == OPENVINO]
+        if not devices:  # seen on an AMD EPYC: the library registers and offers no device to run on
+            return {"plugin_version": None, "refused": NO_DEVICE}
+        version = devices[0].ep_metadata.get("version")
 
     scratch = Path(tempfile.mkdtemp(prefix="ortforge-ep-"))  # OpenVINO's config file and the profile
 
@@ -81,7 +85,6 @@ def run_config(folder: str, plugin: str, properties: dict | None, prompt: list[i
                 config = scratch / "config.json"
                 config.write_text(json.dumps({"CPU": properties}), encoding="utf-8")
                 provider_options["load_config"] = str(config)
-            devices = [d for d in ort.get_ep_devices() if d.ep_name == OPENVINO]
             options.add_provider_for_devices(devices, provider_options)
         if profile_prefix:
             options.enable_profiling, options.profile_file_prefix = True, profile_prefix

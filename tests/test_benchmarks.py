@@ -331,6 +331,20 @@ def test_execution_providers_count_where_nodes_ran_and_how_far_the_logits_moved(
     assert "refused: OpenVINO-EP: it could not convert" in last and last.count("|") == header.count("|")
 
 
+def test_a_plugin_that_offers_no_device_is_a_refusal_not_a_crash(built, monkeypatch):
+    """On a CPU where the OpenVINO plugin registers and lists no device (an AMD EPYC did), the
+    benchmark records why for that configuration and goes on, instead of stopping on the lookup."""
+    import onnxruntime as ort
+
+    from benchmarks import execution_providers as eps
+
+    monkeypatch.setattr(ort, "register_execution_provider_library", lambda name, path: None)
+    monkeypatch.setattr(ort, "get_ep_devices", lambda: [])
+    found = eps.run_config(str(built["fp32"]), "plugin.so", {}, [5, 6, 7])
+    assert found == {"plugin_version": None, "refused": eps.NO_DEVICE}
+    assert eps.summarize([found], None)["refused"] == eps.NO_DEVICE
+
+
 def test_prefill_pieces_times_every_length_and_piece_and_shows_the_runtimes_against_whole(built):
     """The long-prompt benchmark on the tiny model: each length whole and in each piece size, then
     its table in length order with the runtime's piece against the whole prompt."""
