@@ -389,6 +389,43 @@ def test_step_profile_splits_each_phase_into_operators_and_the_python_around_the
     assert line.startswith(f"- fp32_attn: a step of 8 rows takes x{eight / one:.2f} the time of 1 row")
 
 
+def test_quantize_chain_stands_one_node_in_for_each_per_token_chain_and_times_both(built, tmp_path):
+    """quantize_chain.py on the tiny model's w8a8 recipe: every six-node chain becomes one
+    DynamicQuantizeLinear, the stand-in runs, both graphs are timed, and the summary's ratios are
+    the medians'."""
+    import onnx
+    import onnxruntime as ort
+
+    from benchmarks import quantize_chain
+    from tasks import quantize
+    from tasks.quantization.configs import quantize_config
+
+    w8a8 = tmp_path / "w8a8"
+    quantize.run(quantize_config(method="int8_per_token"), built["optimized"], built["hf"], w8a8, {})
+    stand_in = tmp_path / "stand_in"
+    chains = quantize_chain.one_node_graph(w8a8, stand_in)
+    ops = [node.op_type for node in onnx.load(str(stand_in / "model.onnx"), load_external_data=False).graph.node]
+    assert chains == ops.count("MatMulIntegerToFloat") == ops.count("DynamicQuantizeLinear") > 0
+    assert "Abs" not in ops and "ReduceMax" not in ops and "QuantizeLinear" not in ops
+    assert quantize_chain._node_count(w8a8) == len(ops) + 5 * chains
+    ort.InferenceSession(str(stand_in / "model.onnx"), providers=["CPUExecutionProvider"])  # a valid graph
+
+    prompts = [list(range(5 + row, 17 + row)) for row in range(max(quantize_chain.ROWS))]
+    rounds = {
+        graph: [quantize_chain.time_graph(str(folder), str(w8a8), prompts, 4)]
+        for graph, folder in zip(quantize_chain.GRAPHS, (w8a8, stand_in), strict=True)
+    }
+    keys = {"prefill_ms", *(f"step_{rows}_ms" for rows in quantize_chain.ROWS)}
+    assert all(set(found[0]) == keys and min(found[0].values()) > 0 for found in rounds.values())
+    report = {
+        "chains": chains,
+        "graphs": {graph: {"nodes": 1, "median": quantize_chain.medians(found)} for graph, found in rounds.items()},
+    }
+    assert len(quantize_chain.table(report).splitlines()) == 2 + len(quantize_chain.GRAPHS)
+    built_ms, fused_ms = (rounds[graph][0]["step_8_ms"] for graph in quantize_chain.GRAPHS)
+    assert f"8 rows x{built_ms / fused_ms:.2f}" in quantize_chain.summary(report)
+
+
 def test_attention_op_finds_the_kernel_twin_and_tabulates_both():
     """attention_op.py pairs a variant with the build of the same recipe on ortforge's kernel, and
     its summary names both and the peer."""
