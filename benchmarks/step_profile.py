@@ -177,10 +177,13 @@ def scheduler_time(folder: str, prompts: list[list[int]], new_tokens: int) -> di
 
         scheduler.batch.step, scheduler.batch.prefill_piece = timed_step, timed_prefill
         done = threading.Semaphore(0)
-        scheduler.start()
+        # Every job queued before the loop starts, so all join in its first turns: submitted
+        # while it ran, a job could finish before the last one joined (a short one under load did),
+        # leaving no step with every row decoding to time.
         for row in range(rows):
             ended = lambda reason, done=done: done.release()  # noqa: E731
             scheduler.submit(Job(prompts[row], new_tokens, lambda token: None, ended))
+        scheduler.start()
         for _ in range(rows):
             done.acquire()
         scheduler.stop()

@@ -35,6 +35,7 @@ from benchmarks import (  # noqa: E402
     moe_decode,
     prefill_pieces,
     provenance,
+    quantize_chain,
     refresh,
     scale,
     step_profile,
@@ -372,6 +373,21 @@ def step_profile_summary() -> str:
     )
 
 
+def quantize_chain_summary() -> str:
+    report = _json(RESULTS / "quantize_chain.json")
+    return "\n".join(
+        [
+            f"{report['model']} {report['variant']}, {report['prompt_tokens']}-token prompts without a shared prefix, "
+            f"{report['cpus']} cores, medians of {len(report['graphs'][quantize_chain.GRAPHS[0]]['rounds'])} "
+            "interleaved rounds:",
+            "",
+            quantize_chain.table(report),
+            "",
+            quantize_chain.summary(report),
+        ]
+    )
+
+
 def server_soak() -> str:
     report = _json(RESULTS / "server_soak.json")
     lead, memory, soak = report["interleaving"], report["memory"], report["soak"]
@@ -522,6 +538,7 @@ RENDERERS = {
     "tuned-settings": tuned_settings,
     "continuations-gemma3-270m": lambda: continuations.table(_json(RESULTS / "continuations-gemma3-270m.json")),
     "step-profile": step_profile_summary,
+    "quantize-chain": quantize_chain_summary,
     "execution-providers": execution_providers_summary,
     "prefill-pieces": lambda: prefill_pieces.summary(_json(RESULTS / "prefill_pieces.json")),
     "prefill-pieces-gemma3-270m": lambda: prefill_pieces.summary(_json(RESULTS / "prefill_pieces-gemma3-270m.json")),
