@@ -34,6 +34,7 @@ COMMANDS = {
     "scale.json": "python benchmarks/scale.py",
     "continuations-gemma3-270m.json": "python benchmarks/continuations.py --model gemma3-270m",
     "step_profile.json": "python benchmarks/step_profile.py",
+    "step_profile-512.json": "python benchmarks/step_profile.py --prompt-tokens 512 --variants w8a8 w8a8_attn",
     "quantize_chain.json": "python benchmarks/quantize_chain.py",
     "server_soak.json": "python benchmarks/server_soak.py",
     "structured.json": "python benchmarks/structured.py",

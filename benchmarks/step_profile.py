@@ -4,11 +4,13 @@ model runs: BatchDecoder's bindings and copies, then the scheduler's own work pe
 each row, handing tokens over).
 
     python benchmarks/step_profile.py [--model smollm2-135m] [--variants int4 int8 w8a8 w8a8_attn fp32] [--steps 30]
+    python benchmarks/step_profile.py --prompt-tokens 512 --variants w8a8 w8a8_attn   # longer rows
 
 Each variant runs in its own fresh process with the session settings bench tuned for it
 (runtime.json), as `ortforge serve` runs it. Profiling costs a little time per operator, so the
 scheduler's figures come from a second process without the profiler. Writes
-benchmarks/results/step_profile.json; scripts/readme_figures.py summarizes it in the README.
+benchmarks/results/step_profile.json (step_profile-<N>.json for prompts of N tokens other than 128);
+scripts/readme_figures.py summarizes it in the README.
 """
 
 from __future__ import annotations
@@ -39,8 +41,15 @@ RESULTS = REPO / "benchmarks" / "results"
 ROWS = (1, 4, 8)
 PROMPT_TOKENS = 128
 WARMUP_RUNS = 3
-PREFILL = f"prefill {PROMPT_TOKENS} tokens"
 UNTIMED = "untimed"  # warm-up runs and the prefills that fill rows before their steps
+
+
+def prefill_label(tokens: int) -> str:
+    return f"prefill {tokens} tokens"
+
+
+def result_name(prompt_tokens: int) -> str:
+    return "step_profile" if prompt_tokens == PROMPT_TOKENS else f"step_profile-{prompt_tokens}"
 
 
 def step_label(rows: int) -> str:
@@ -92,7 +101,7 @@ def profile_variant(folder: str, prompts: list[list[int]], steps: int, repeats: 
         batch.prefill(0, prompts[0])
         batch.release(0)
     for _ in range(repeats):
-        timed(PREFILL, lambda: batch.prefill(0, prompts[0]))
+        timed(prefill_label(len(prompts[0])), lambda: batch.prefill(0, prompts[0]))
         batch.release(0)
     for rows in ROWS:
         for row in range(rows):
@@ -259,18 +268,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=30, help="timed steps per number of rows")
     parser.add_argument("--repeats", type=int, default=5, help="timed prefills")
     parser.add_argument("--new-tokens", type=int, default=48, help="tokens per job in the scheduler's run")
+    parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS, help="each row's prompt")
     args = parser.parse_args(argv)
     os.chdir(REPO)
     measured = provenance.model_outputs(args.model, args.variants)
     provenance.require_current(measured)
     text = REPO / "data" / "eval" / "GPL-3.txt"
-    ids = prompt_ids(paths.hf_dir(args.model), text, PROMPT_TOKENS * (max(ROWS) + 1))
-    prompts = [ids[i * PROMPT_TOKENS : (i + 1) * PROMPT_TOKENS] for i in range(max(ROWS))]  # no shared prefix
+    size = args.prompt_tokens
+    ids = prompt_ids(paths.hf_dir(args.model), text, size * (max(ROWS) + 1))
+    prompts = [ids[i * size : (i + 1) * size] for i in range(max(ROWS))]  # no shared prefix
     report = {
         "provenance": provenance.record(provenance.command("step_profile.py", argv), measured),
         "model": args.model,
         "cpus": os.cpu_count(),
-        "prompt_tokens": PROMPT_TOKENS,
+        "prompt_tokens": size,
         "variants": {},
     }
     # A fresh process imports the function's module by name: this script's, not __main__.
@@ -286,8 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     print(table(report))
     print("\n".join(batching_cost(report)))
     RESULTS.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(RESULTS / "step_profile.json", report)
-    print(f"wrote {RESULTS / 'step_profile.json'}")
+    written = RESULTS / f"{result_name(size)}.json"
+    atomic_write_json(written, report)
+    print(f"wrote {written}")
     return 0
 
 

@@ -356,8 +356,8 @@ def execution_providers_summary() -> str:
     )
 
 
-def step_profile_summary() -> str:
-    report = _json(RESULTS / "step_profile.json")
+def step_profile_summary(prompt_tokens: int = step_profile.PROMPT_TOKENS) -> str:
+    report = _json(RESULTS / f"{step_profile.result_name(prompt_tokens)}.json")
     return "\n".join(
         [
             f"{report['model']}, {report['prompt_tokens']}-token prompts without a shared prefix, {report['cpus']} "
@@ -538,6 +538,7 @@ RENDERERS = {
     "tuned-settings": tuned_settings,
     "continuations-gemma3-270m": lambda: continuations.table(_json(RESULTS / "continuations-gemma3-270m.json")),
     "step-profile": step_profile_summary,
+    "step-profile-512": lambda: step_profile_summary(512),
     "quantize-chain": quantize_chain_summary,
     "execution-providers": execution_providers_summary,
     "prefill-pieces": lambda: prefill_pieces.summary(_json(RESULTS / "prefill_pieces.json")),

@@ -374,7 +374,7 @@ def test_step_profile_splits_each_phase_into_operators_and_the_python_around_the
 
     prompts = [list(range(5 + row, 17 + row)) for row in range(max(step_profile.ROWS))]
     figures = step_profile.profile_variant(str(on_our_kernel), prompts, 2, 1)
-    labels = [step_profile.PREFILL, *(step_profile.step_label(rows) for rows in step_profile.ROWS)]
+    labels = [step_profile.prefill_label(12), *(step_profile.step_label(rows) for rows in step_profile.ROWS)]
     assert sorted(figures["phases"]) == sorted(labels)
     for label in labels:
         phase = figures["phases"][label]
