@@ -30,6 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks import provenance  # noqa: E402
+from ortforge.names import MODEL_FILE  # noqa: E402
 from tasks.bench import prompt_ids  # noqa: E402
 from tasks.core import paths  # noqa: E402
 from tasks.core.files import atomic_write_json  # noqa: E402
@@ -50,7 +51,7 @@ def one_node_graph(folder: Path, out: Path) -> int:
     import onnx
     from onnx import helper
 
-    model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    model = onnx.load(str(folder / MODEL_FILE), load_external_data=False)
     made_by = {output: node for node in model.graph.node for output in node.output}
     chains = {node.input[0] for node in model.graph.node if node.output and node.output[0].endswith(CODES)}
     dropped = {id(made_by[f"{x}/per_token/{name}"]) for x in chains for name in CHAIN}
@@ -68,9 +69,9 @@ def one_node_graph(folder: Path, out: Path) -> int:
     model.graph.node.extend(nodes)
     out.mkdir(parents=True, exist_ok=True)
     for item in folder.iterdir():
-        if item.name != "model.onnx":
+        if item.name != MODEL_FILE:
             _link_or_copy(item, out / item.name)
-    onnx.save(model, str(out / "model.onnx"))
+    onnx.save(model, str(out / MODEL_FILE))
     return len(chains)
 
 
@@ -88,14 +89,13 @@ def time_graph(folder: str, settings_from: str, prompts: list[list[int]], steps:
     import onnxruntime as ort
 
     from ortforge.batch import BatchDecoder
-    from ortforge.names import MODEL_FILE
     from ortforge.session import SessionSettings
 
     settings = SessionSettings.for_artifact(Path(settings_from))
     session = ort.InferenceSession(
         str(Path(folder) / MODEL_FILE), settings.session_options(), providers=["CPUExecutionProvider"]
     )
-    batch = BatchDecoder(session, max(ROWS), row_tokens=PROMPT_TOKENS + steps + 8)
+    batch = BatchDecoder(session, max(ROWS), row_tokens=max(map(len, prompts)) + steps)
     prefills = []
     for _ in range(4):  # the first is warm-up
         started = time.perf_counter()
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
 def _node_count(folder: Path) -> int:
     import onnx
 
-    return len(onnx.load(str(folder / "model.onnx"), load_external_data=False).graph.node)
+    return len(onnx.load(str(folder / MODEL_FILE), load_external_data=False).graph.node)
 
 
 if __name__ == "__main__":
