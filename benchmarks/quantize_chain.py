@@ -88,13 +88,14 @@ def time_graph(folder: str, settings_from: str, prompts: list[list[int]], steps:
     """Run in a fresh process: the 128-token prefill's and each row count's step time, medians (ms)."""
     import onnxruntime as ort
 
+    from ortforge import custom_ops
     from ortforge.batch import BatchDecoder
     from ortforge.session import SessionSettings
 
     settings = SessionSettings.for_artifact(Path(settings_from))
-    session = ort.InferenceSession(
-        str(Path(folder) / MODEL_FILE), settings.session_options(), providers=["CPUExecutionProvider"]
-    )
+    options = settings.session_options()
+    custom_ops.register(options, Path(folder) / MODEL_FILE)  # w8a8_attn's graph names ortforge's kernel
+    session = ort.InferenceSession(str(Path(folder) / MODEL_FILE), options, providers=["CPUExecutionProvider"])
     batch = BatchDecoder(session, max(ROWS), row_tokens=max(map(len, prompts)) + steps)
     prefills = []
     for _ in range(4):  # the first is warm-up
