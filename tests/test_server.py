@@ -139,7 +139,10 @@ def test_streamed_completion_stops_before_a_stop_string(client, chat_folder):
     assert pieces[-1].choices[0].finish_reason == "stop"
 
 
-def test_concurrent_clients_get_their_batch_1_text(server, chat_folder):
+def test_concurrent_clients_get_their_batch_1_text(server, chat_folder, slow_steps):
+    """Six clients at once on two slots: each gets its batch-1 text, and runs were shared (steps of
+    20 ms keep a request running while the others arrive; the tiny model alone could finish one
+    before the next is read off the socket)."""
     url, service = server
     generator = TextGenerator(chat_folder)
     asks = [(f"{PROMPT} number {i}", 4 + 3 * i) for i in range(6)]
