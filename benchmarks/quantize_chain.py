@@ -86,16 +86,11 @@ def _link_or_copy(source: Path, dest: Path) -> None:
 
 def time_graph(folder: str, settings_from: str, prompts: list[list[int]], steps: int) -> dict:
     """Run in a fresh process: the 128-token prefill's and each row count's step time, medians (ms)."""
-    import onnxruntime as ort
-
-    from ortforge import custom_ops
     from ortforge.batch import BatchDecoder
-    from ortforge.session import SessionSettings
+    from ortforge.session import SessionSettings, create_session
 
-    settings = SessionSettings.for_artifact(Path(settings_from))
-    options = settings.session_options()
-    custom_ops.register(options, Path(folder) / MODEL_FILE)  # w8a8_attn's graph names ortforge's kernel
-    session = ort.InferenceSession(str(Path(folder) / MODEL_FILE), options, providers=["CPUExecutionProvider"])
+    # the runtime's own session: it registers ortforge's kernel, which w8a8_attn's graph names
+    session = create_session(Path(folder), SessionSettings.for_artifact(Path(settings_from)))
     batch = BatchDecoder(session, max(ROWS), row_tokens=max(map(len, prompts)) + steps)
     prefills = []
     for _ in range(4):  # the first is warm-up
