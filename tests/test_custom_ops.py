@@ -343,6 +343,64 @@ def test_a_variant_on_our_kernel_computes_what_its_twin_does(on_our_kernel, buil
     assert np.abs(steps[0] - steps[1]).max() < 1e-4
 
 
+@pytest.fixture(scope="module")
+def int8_cache_twins(built, params, kernel_library, tmp_path_factory) -> dict[str, object]:
+    """The tiny model's fp32 weights over an int8 cache, on onnxruntime's kernel and on ours."""
+    root = tmp_path_factory.mktemp("int8_cache")
+    out = {}
+    for name, attention in (("onnxruntime", "onnxruntime"), ("ortforge", "ortforge")):
+        out[name] = root / name
+        recipe = quantize_config(method="fp32", kv_cache="int8", attention=attention)
+        record = {"model": "tiny", "variant": f"fp32_kv8_{name}", "tool_versions": {}}
+        quantize.run(recipe, built["optimized"], built["hf"], out[name], record, params.calibration)
+    return out
+
+
+def test_a_variant_on_our_kernel_over_an_int8_cache_computes_what_its_twin_does(int8_cache_twins):
+    """kv_cache: int8 with attention: ortforge keeps the cache's scales on our nodes; a prompt and
+    then cached steps give the logits of the same recipe on onnxruntime's kernel (the same codes
+    stored), and so does the float-cache twin validate measures the cache's error against."""
+    import onnx
+
+    from tasks.quantization import kv_cache
+
+    graph = onnx.load(str(int8_cache_twins["ortforge"] / names.MODEL_FILE), load_external_data=False)
+    nodes = kv_cache.attention_nodes(graph)
+    assert nodes and all(n.domain == custom_ops.DOMAIN and n.input[kv_cache.V_SCALE_INPUT] for n in nodes)
+    assert kv_cache.stored_bits(graph) == 8
+    ids = [5, 17, 99, 250, 3, 7, 11, 200, 42, 8, 9, 120]
+    steps = []
+    for folder in (int8_cache_twins["onnxruntime"], int8_cache_twins["ortforge"]):
+        decoder = Decoder(create_session(folder))
+        logits, cache = decoder.forward(np.array([ids[:6]]), decoder.empty_cache())
+        for token in ids[6:]:
+            logits, cache = decoder.forward(np.array([[token]]), cache, last_only=True)
+        steps.append(logits)
+    assert np.abs(steps[0] - steps[1]).max() < 1e-4
+    twin = kv_cache.float_cache(graph)
+    assert kv_cache.stored_bits(twin) == 32 and {n.domain for n in kv_cache.attention_nodes(twin)} == {
+        custom_ops.DOMAIN
+    }
+
+
+def test_batched_decode_on_our_kernel_over_an_int8_cache_equals_batch_1(int8_cache_twins):
+    from ortforge.batch import BatchDecoder
+    from ortforge.generate import TextGenerator
+
+    generator = TextGenerator(int8_cache_twins["ortforge"])
+    prompts = [generator.encode(text) for text in ("Free software", "You", "the freedom to share and change all")]
+    batch = BatchDecoder(generator.session, slots=3)
+    tokens = {row: int(np.argmax(batch.prefill(row, ids))) for row, ids in enumerate(prompts)}
+    produced = {row: [token] for row, token in tokens.items()}
+    for _ in range(6):
+        logits = batch.step(tokens)
+        tokens = {row: int(np.argmax(logits[i])) for i, row in enumerate(sorted(tokens))}
+        for row, token in tokens.items():
+            produced[row].append(token)
+    for row, ids in enumerate(prompts):
+        assert produced[row] == list(generator.generate_ids(ids, max_new_tokens=7))
+
+
 def test_no_compiler_is_said_in_one_line_naming_cc(monkeypatch):
     monkeypatch.setenv("CC", "no-such-compiler")
     with pytest.raises(custom_ops.KernelUnavailable, match="'no-such-compiler' is not on PATH.*set CC"):
@@ -377,10 +435,15 @@ def test_the_build_refuses_what_the_kernel_cannot_run_before_work(built, built_o
     assert "do_rotary is 0" in attention.unsupported(node, 64)
     node = onnx.helper.make_node("GroupQueryAttention", ["q"] * 9, ["o"], domain="com.microsoft", do_rotary=1)
     assert attention.unsupported(node, 64) is None and "not a multiple of 16" in attention.unsupported(node, 40)
-    node.input.append("position_ids")
-    assert "inputs beyond the nine" in attention.unsupported(node, 64)
+    node.input.extend(["", "", "", "k_scale", "v_scale"])  # an int8 cache's scales: taken
+    assert attention.unsupported(node, 64) is None
+    node.input[9] = "position_ids"
+    assert "inputs beyond the nine the kernel takes and an int8 cache's scales (position_ids)" in attention.unsupported(
+        node, 64
+    )
 
 
-def test_the_kernel_reads_a_float_cache_only():
-    with pytest.raises(ValueError, match="attention: ortforge reads a float KV cache"):
-        quantize_config(method="int8_per_token", attention="ortforge", kv_cache="int8")
+def test_the_kernel_reads_a_float_or_int8_cache_only():
+    assert quantize_config(method="int8_per_token", attention="ortforge", kv_cache="int8").kv_bits == 8
+    with pytest.raises(ValueError, match="reads a float or int8 KV cache and kv_cache is int4: set kv_cache: int8"):
+        quantize_config(method="int8_per_token", attention="ortforge", kv_cache="int4")
