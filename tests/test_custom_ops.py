@@ -14,6 +14,7 @@ from tasks import quantize
 from tasks.core.errors import StageError
 from tasks.evaluation.metrics import full_pass_logits
 from tasks.quantization.configs import quantize_config
+from tests.conftest import assert_batched_decode_equals_batch_1
 
 
 @pytest.mark.parametrize(
@@ -384,21 +385,7 @@ def test_a_variant_on_our_kernel_over_an_int8_cache_computes_what_its_twin_does(
 
 
 def test_batched_decode_on_our_kernel_over_an_int8_cache_equals_batch_1(int8_cache_twins):
-    from ortforge.batch import BatchDecoder
-    from ortforge.generate import TextGenerator
-
-    generator = TextGenerator(int8_cache_twins["ortforge"])
-    prompts = [generator.encode(text) for text in ("Free software", "You", "the freedom to share and change all")]
-    batch = BatchDecoder(generator.session, slots=3)
-    tokens = {row: int(np.argmax(batch.prefill(row, ids))) for row, ids in enumerate(prompts)}
-    produced = {row: [token] for row, token in tokens.items()}
-    for _ in range(6):
-        logits = batch.step(tokens)
-        tokens = {row: int(np.argmax(logits[i])) for i, row in enumerate(sorted(tokens))}
-        for row, token in tokens.items():
-            produced[row].append(token)
-    for row, ids in enumerate(prompts):
-        assert produced[row] == list(generator.generate_ids(ids, max_new_tokens=7))
+    assert_batched_decode_equals_batch_1(int8_cache_twins["ortforge"])
 
 
 def test_no_compiler_is_said_in_one_line_naming_cc(monkeypatch):
