@@ -13,7 +13,8 @@ engine's batch-1 first token for a --prompt-tokens and a --long-prompt prompt. Q
 speed: ortforge's from its validate.json, OpenVINO's scored here on validate's texts against the
 same PyTorch reference (its CPU defaults; f32 mode not scored).
 
-    python benchmarks/load_peers.py [--model smollm2-135m] [--streams 1,4,8] [--rounds 2]
+    python benchmarks/load_peers.py [--model smollm2-135m] [--variants int4 int8 w8a8 ...]
+                                    [--streams 1,4,8] [--rounds 2]
 
 Needs `dvc repro` first and OpenVINO GenAI's venv (benchmarks/peers/setup_openvino.sh). Writes
 benchmarks/results/load_peers.json and load_peers.png, and prints the table and the goals.
@@ -40,7 +41,7 @@ from tasks.core.files import atomic_write_json  # noqa: E402
 from tasks.reporting.load import figure_cells, levels  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
-VARIANTS = ("int4", "int8", "w8a8")  # ortforge's
+VARIANTS = ("int4", "int8", "w8a8")  # ortforge's, unless --variants names others
 PEER_FORMATS = ("int4", "int8")  # OpenVINO GenAI's weight formats of the same HF folder
 PRECISIONS = {"CPU defaults": "default", "f32": "f32"}
 FIGURES = (
@@ -53,10 +54,10 @@ FIGURES = (
 )
 
 
-def engines(model: str) -> dict[str, dict]:
+def engines(model: str, variants: tuple[str, ...] = VARIANTS) -> dict[str, dict]:
     """ortforge's variants and OpenVINO GenAI's exports of the same HF folder, in both modes."""
     found = {}
-    for variant in VARIANTS:
+    for variant in variants:
         folder = paths.variant_dir(model, variant)
         settings = provenance.settings_used(folder)
         found[f"ortforge {variant}"] = {"kind": "ort", "path": str(folder), "settings": settings, "variant": variant}
@@ -318,17 +319,18 @@ def workload_record(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), help="ortforge's variants to run")
     add_workload_arguments(parser, streams="1,4,8")
     args = parser.parse_args(argv)
     if not openvino_peer.installed():
         raise SystemExit(f"error: OpenVINO GenAI's venv is missing; run bash {openvino_peer.SETUP} (about 5 minutes)")
     if "1" not in args.streams.split(","):
         raise SystemExit("error: --streams must include 1 (scaling is against one stream)")
-    measured = provenance.model_outputs(args.model, VARIANTS)
+    measured = provenance.model_outputs(args.model, args.variants)
     provenance.require_current(measured)
     from tasks.core.params import load_params
 
-    specs = engines(args.model)
+    specs = engines(args.model, tuple(args.variants))
     peers = {"openvino-genai": openvino_peer.version(openvino_peer.PYTHON)}
     report = {
         "provenance": provenance.record(provenance.command("load_peers.py", argv), measured, peers),

@@ -34,7 +34,9 @@ COMMANDS = {
     "scale.json": "python benchmarks/scale.py",
     "continuations-gemma3-270m.json": "python benchmarks/continuations.py --model gemma3-270m",
     "step_profile.json": "python benchmarks/step_profile.py",
-    "step_profile-512.json": "python benchmarks/step_profile.py --prompt-tokens 512 --variants w8a8 w8a8_attn",
+    "step_profile-512.json": (
+        "python benchmarks/step_profile.py --prompt-tokens 512 --variants w8a8 w8a8_attn w8a8_attn_kv8"
+    ),
     "quantize_chain.json": "python benchmarks/quantize_chain.py",
     "server_soak.json": "python benchmarks/server_soak.py",
     "structured.json": "python benchmarks/structured.py",
@@ -45,7 +47,7 @@ COMMANDS = {
     "attention_op-gemma3-270m.json": "python benchmarks/attention_op.py --model gemma3-270m",
     "attention_replies.json": "python benchmarks/attention_replies.py",
     "attention_replies-gemma3-270m.json": "python benchmarks/attention_replies.py --model gemma3-270m",
-    "load_peers.json": "python benchmarks/load_peers.py",
+    "load_peers.json": "python benchmarks/load_peers.py --variants int4 int8 w8a8 w8a8_attn_kv8",
     "load_peers-gemma3-270m.json": "python benchmarks/load_peers.py --model gemma3-270m",
     "execution_providers.json": "python benchmarks/execution_providers.py",
     "prefill_pieces.json": "python benchmarks/prefill_pieces.py",

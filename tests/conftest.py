@@ -504,3 +504,25 @@ def prefect_records() -> list[str]:
         return texts
 
     return asyncio.run(read_all())
+
+
+def assert_batched_decode_equals_batch_1(folder) -> None:
+    """Three prompts of different lengths prefilled into one BatchDecoder and stepped together
+    greedily give each prompt's batch-1 tokens."""
+    import numpy as np
+
+    from ortforge.batch import BatchDecoder
+    from ortforge.generate import TextGenerator
+
+    generator = TextGenerator(folder)
+    prompts = [generator.encode(text) for text in ("Free software", "You", "the freedom to share and change all")]
+    batch = BatchDecoder(generator.session, slots=3)
+    tokens = {row: int(np.argmax(batch.prefill(row, ids))) for row, ids in enumerate(prompts)}
+    produced = {row: [token] for row, token in tokens.items()}
+    for _ in range(6):
+        logits = batch.step(tokens)
+        tokens = {row: int(np.argmax(logits[i])) for i, row in enumerate(sorted(tokens))}
+        for row, token in tokens.items():
+            produced[row].append(token)
+    for row, ids in enumerate(prompts):
+        assert produced[row] == list(generator.generate_ids(ids, max_new_tokens=7))

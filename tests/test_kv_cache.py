@@ -14,7 +14,6 @@ import pytest
 from onnx import numpy_helper
 
 from ortforge import names
-from ortforge.batch import BatchDecoder
 from ortforge.decoder import Decoder
 from ortforge.generate import TextGenerator
 from ortforge.manifest import read_manifest, write_manifest
@@ -24,7 +23,7 @@ from tasks.core.errors import StageError
 from tasks.core.params import Thresholds
 from tasks.quantization import kv_cache
 from tasks.quantization.configs import quantize_config
-from tests.conftest import WEIGHT_ONLY
+from tests.conftest import WEIGHT_ONLY, assert_batched_decode_equals_batch_1
 
 INT4_KV8 = {**WEIGHT_ONLY, "kv_cache": "int8"}
 LOOSE = Thresholds(
@@ -118,18 +117,7 @@ def test_key_range_holds_at_every_rotary_position():
 
 
 def test_batched_decode_over_a_quantized_cache_equals_batch_1(kv_variants):
-    generator = TextGenerator(kv_variants["int4_kv8"])
-    prompts = [generator.encode(text) for text in ("Free software", "You", "the freedom to share and change all")]
-    batch = BatchDecoder(generator.session, slots=3)
-    tokens = {row: int(np.argmax(batch.prefill(row, ids))) for row, ids in enumerate(prompts)}
-    produced = {row: [token] for row, token in tokens.items()}
-    for _ in range(6):
-        logits = batch.step(tokens)
-        tokens = {row: int(np.argmax(logits[i])) for i, row in enumerate(sorted(tokens))}
-        for row, token in tokens.items():
-            produced[row].append(token)
-    for row, ids in enumerate(prompts):
-        assert produced[row] == list(generator.generate_ids(ids, max_new_tokens=7))
+    assert_batched_decode_equals_batch_1(kv_variants["int4_kv8"])
 
 
 def test_validate_checks_the_cache_is_what_the_name_says(built, kv_variants, params, tmp_path):

@@ -18,7 +18,9 @@
  * - rotary (non-interleaved, the first 2 x cos_cache.shape[1] channels) at position past + s;
  * - scores scaled by `scale` (1/sqrt(head) when 0), then softcap * tanh(x / softcap) when
  *   softcap > 0, then softmax over keys [lo, past + s], the last local_window_size of them when
- *   local_window_size > 0 (onnxruntime 1.32 counts the query's own key in the window).
+ *   local_window_size > 0 (onnxruntime 1.32 counts the query's own key in the window);
+ * - an int8 cache (k_scale set): each written key (rotated) and value stored as its code per
+ *   channel, attention computed over code x scale.
  */
 #include "gqa.h"
 
@@ -30,6 +32,43 @@ typedef float v16 __attribute__((vector_size(64)));
 
 static inline v16 load16(const float *p) { v16 v; memcpy(&v, p, sizeof v); return v; }
 
+/* 16 int8 codes as floats. GCC 12 turns __builtin_convertvector from int8 lanes into 16 scalar
+ * conversions (3x slower steps than a float cache, measured), so x86 gets its sign-extend and
+ * convert instructions by name; other CPUs a loop the compiler vectorizes. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static inline v16 load16_codes(const int8_t *p) {
+    return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+#elif defined(__AVX2__)
+#include <immintrin.h>
+static inline v16 load16_codes(const int8_t *p) {
+    const __m128i codes = _mm_loadu_si128((const __m128i *)p);
+    const __m256 halves[2] = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)),
+                              _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(codes, 8)))};
+    v16 v;
+    memcpy(&v, halves, sizeof v);
+    return v;
+}
+#else
+static inline v16 load16_codes(const int8_t *p) {
+    float lanes[16];
+#pragma omp simd
+    for (int i = 0; i < 16; i++) lanes[i] = (float)p[i];
+    return load16(lanes);
+}
+#endif
+
+/* 16 channels of a KV cache from element `at`, as floats: the cache's floats, or its int8 codes
+ * (codes: a constant wherever this is inlined, so each caller compiles to one kind of load). */
+static inline __attribute__((always_inline)) v16 load16_cached(const void *cache, int64_t at, int codes) {
+    return codes ? load16_codes((const int8_t *)cache + at) : load16((const float *)cache + at);
+}
+
+static inline __attribute__((always_inline)) float cached(const void *cache, int64_t at, int codes) {
+    return codes ? (float)((const int8_t *)cache)[at] : ((const float *)cache)[at];
+}
+
 /* lanes of a and b added pairwise into one vector: out[i] = a[2i] + a[2i+1] for i < 8, then b's */
 static inline v16 pair_sum(v16 a, v16 b) {
     v16 even = __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
@@ -37,15 +76,16 @@ static inline v16 pair_sum(v16 a, v16 b) {
     return even + odd;
 }
 
-/* The dot products of q with 16 consecutive keys (rows of `head` floats), as one vector: each
- * key's 16 partial sums are folded with its neighbours' in 4 levels of pair_sum instead of 16
- * horizontal reductions. */
-static inline v16 dots16(const float *q, const float *k, int head) {
+/* The dot products of q with 16 consecutive keys (rows of `head` channels from element `at` of
+ * keys), as one vector: each key's 16 partial sums are folded with its neighbours' in 4 levels of
+ * pair_sum instead of 16 horizontal reductions. */
+static inline __attribute__((always_inline)) v16 dots16(const float *q, const void *keys, int64_t at, int head,
+                                                        int codes) {
     v16 acc[16];
     for (int j = 0; j < 16; j++) acc[j] = (v16){0};
     for (int d = 0; d < head; d += 16) {
         const v16 qd = load16(q + d);
-        for (int j = 0; j < 16; j++) acc[j] += qd * load16(k + j * head + d);
+        for (int j = 0; j < 16; j++) acc[j] += qd * load16_cached(keys, at + j * head + d, codes);
     }
     v16 l1[8], l2[4], l3[2];
     for (int i = 0; i < 8; i++) l1[i] = pair_sum(acc[2 * i], acc[2 * i + 1]);
@@ -68,34 +108,54 @@ static int64_t past_length(const GqaShape *g, int64_t b) {
     return (int64_t)g->seqlens_k[b] + 1 - g->seq;
 }
 
-static float *cache_row(float *cache, const GqaShape *g, int64_t b, int64_t kvh) {
-    return cache + ((b * g->kv_heads + kvh) * g->present_len) * g->head;
+static size_t cache_element(const GqaShape *g) { return g->k_scale != NULL ? sizeof(int8_t) : sizeof(float); }
+
+static char *cache_row(void *cache, const GqaShape *g, int64_t b, int64_t kvh) {
+    return (char *)cache + (size_t)((b * g->kv_heads + kvh) * g->present_len * g->head) * cache_element(g);
+}
+
+/* x / scale per channel as onnxruntime computes it (x times the scale's float reciprocal, which
+ * can round a value a hair past a tie: -42.5 by division, -42.500004 so), rounded to the nearest
+ * code (ties to even) and saturated to int8. */
+static void quantize_codes(const float *x, const float *scale, int64_t head, int8_t *out) {
+    for (int64_t d = 0; d < head; d++) {
+        const float code = nearbyintf(x[d] * (1.0f / scale[d]));
+        out[d] = (int8_t)(code >= 127.0f ? 127.0f : code >= -128.0f ? code : -128.0f); /* NaN: -128 */
+    }
 }
 
 /* Task (b, kv head): copy the past into present when they are separate buffers, then write the
- * new tokens' keys (rotated) and values at their positions. */
+ * new tokens' keys (rotated) and values at their positions (as codes, for an int8 cache). */
 void gqa_write_task(const GqaShape *g, int64_t task) {
     const int64_t b = task / g->kv_heads, kvh = task % g->kv_heads, past = past_length(g, b);
-    float *k_out = cache_row(g->present_key, g, b, kvh);
-    float *v_out = cache_row(g->present_value, g, b, kvh);
+    const size_t element = cache_element(g);
+    char *k_out = cache_row(g->present_key, g, b, kvh);
+    char *v_out = cache_row(g->present_value, g, b, kvh);
     if (g->past_key != g->present_key && g->past_key != NULL) {
         /* onnxruntime zeroes a separate present, then copies the past it holds */
-        const size_t row = (size_t)g->present_len * g->head * sizeof(float);
+        const size_t row = (size_t)g->present_len * g->head * element;
         memset(k_out, 0, row);
         memset(v_out, 0, row);
-        const size_t held = (size_t)past * g->head * sizeof(float);
-        const int64_t src = ((b * g->kv_heads + kvh) * g->past_len) * g->head;
-        memcpy(k_out, g->past_key + src, held);
-        memcpy(v_out, g->past_value + src, held);
+        const size_t held = (size_t)past * g->head * element;
+        const size_t src = (size_t)((b * g->kv_heads + kvh) * g->past_len * g->head) * element;
+        memcpy(k_out, (const char *)g->past_key + src, held);
+        memcpy(v_out, (const char *)g->past_value + src, held);
     }
     const int64_t kv_width = g->kv_heads * g->head;
     for (int64_t s = 0; s < g->seq; s++) {
         const int64_t pos = past + s;
         const float *k_in = g->key + (b * g->seq + s) * kv_width + kvh * g->head;
         const float *v_in = g->value + (b * g->seq + s) * kv_width + kvh * g->head;
-        rotate(k_in, g->cos_cache + pos * g->rotary_half, g->sin_cache + pos * g->rotary_half,
-               g->rotary_half, g->head, k_out + pos * g->head);
-        memcpy(v_out + pos * g->head, v_in, g->head * sizeof(float));
+        const float *cos_row = g->cos_cache + pos * g->rotary_half, *sin_row = g->sin_cache + pos * g->rotary_half;
+        if (g->k_scale == NULL) {
+            rotate(k_in, cos_row, sin_row, g->rotary_half, g->head, (float *)k_out + pos * g->head);
+            memcpy((float *)v_out + pos * g->head, v_in, g->head * sizeof(float));
+            continue;
+        }
+        float rotated[g->head];
+        rotate(k_in, cos_row, sin_row, g->rotary_half, g->head, rotated);
+        quantize_codes(rotated, g->k_scale + kvh * g->head, g->head, (int8_t *)k_out + pos * g->head);
+        quantize_codes(v_in, g->v_scale + kvh * g->head, g->head, (int8_t *)v_out + pos * g->head);
     }
 }
 
@@ -167,18 +227,20 @@ static void softmax(float *row, int64_t n, float softcap) {
 }
 
 /* For `heads` heads from h0 and channels [d0, d0 + 64): out[h] (+)= sum over the n keys j of
- * p[h * stride + j] * values[j], added to what out holds when `add`. heads and the 4 vectors of 16
- * channels are constants where it is inlined, so its up to 16 sums stay in registers as
- * independent chains of multiply-adds, each vector of a value loaded once for the heads. */
-static inline __attribute__((always_inline)) void weigh_slice(const float *values, const float *p, int64_t stride,
-                                                              int64_t n, int head, int h0, int heads, int d0,
-                                                              int add, float *out) {
+ * p[h * stride + j] * values[j] (the rows of `head` channels from element `at` of values, floats or
+ * int8 codes), added to what out holds when `add`. heads, codes and the 4 vectors of 16 channels
+ * are constants where it is inlined, so its up to 16 sums stay in registers as independent chains
+ * of multiply-adds, each vector of a value loaded once for the heads. */
+static inline __attribute__((always_inline)) void weigh_slice(const void *values, int64_t at, const float *p,
+                                                              int64_t stride, int64_t n, int head, int h0, int heads,
+                                                              int d0, int add, float *out, int codes) {
     v16 sums[4][4];
     for (int h = 0; h < heads; h++)
         for (int c = 0; c < 4; c++) sums[h][c] = add ? load16(out + (h0 + h) * head + d0 + 16 * c) : (v16){0};
     for (int64_t j = 0; j < n; j++) {
-        const float *v = values + j * head + d0;
-        const v16 row[4] = {load16(v), load16(v + 16), load16(v + 32), load16(v + 48)};
+        const int64_t v = at + j * head + d0;
+        const v16 row[4] = {load16_cached(values, v, codes), load16_cached(values, v + 16, codes),
+                            load16_cached(values, v + 32, codes), load16_cached(values, v + 48, codes)};
         for (int h = 0; h < heads; h++) {
             const float weight = p[(h0 + h) * stride + j];
             for (int c = 0; c < 4; c++) sums[h][c] += weight * row[c];
@@ -188,10 +250,12 @@ static inline __attribute__((always_inline)) void weigh_slice(const float *value
         for (int c = 0; c < 4; c++) memcpy(out + (h0 + h) * head + d0 + 16 * c, &sums[h][c], sizeof(v16));
 }
 
-/* out[h] (+)= sum over the n keys j of p[h * stride + j] * values[j], for the group's heads h, 4
- * heads and 64 channels at a time; a last slice of 16 to 48 channels takes the plain loop. */
-static void weigh_values(const float *values, const float *p, int64_t stride, int64_t n, int group, int head,
-                         int add, float *out) {
+/* out[h] (+)= sum over the n keys j of p[h * stride + j] * values[j] (rows from element `at`), for
+ * the group's heads h, 4 heads and 64 channels at a time; a last slice of 16 to 48 channels takes
+ * the plain loop. codes: a constant where it is inlined (see load16_cached). */
+static inline __attribute__((always_inline)) void weigh_values(const void *values, int64_t at, const float *p,
+                                                               int64_t stride, int64_t n, int group, int head,
+                                                               int add, float *out, int codes) {
     for (int d0 = 0; d0 < head; d0 += 64) {
         if (head - d0 < 64) {
             for (int h = 0; h < group; h++) {
@@ -200,17 +264,17 @@ static void weigh_values(const float *values, const float *p, int64_t stride, in
                 for (int64_t j = 0; j < n; j++) {
                     const float weight = p[h * stride + j];
 #pragma omp simd
-                    for (int d = 0; d < head - d0; d++) o[d] += weight * values[j * head + d0 + d];
+                    for (int d = 0; d < head - d0; d++) o[d] += weight * cached(values, at + j * head + d0 + d, codes);
                 }
             }
             continue;
         }
         for (int h0 = 0; h0 < group; h0 += 4) {
             switch (group - h0) {
-            case 1: weigh_slice(values, p, stride, n, head, h0, 1, d0, add, out); break;
-            case 2: weigh_slice(values, p, stride, n, head, h0, 2, d0, add, out); break;
-            case 3: weigh_slice(values, p, stride, n, head, h0, 3, d0, add, out); break;
-            default: weigh_slice(values, p, stride, n, head, h0, 4, d0, add, out); break;
+            case 1: weigh_slice(values, at, p, stride, n, head, h0, 1, d0, add, out, codes); break;
+            case 2: weigh_slice(values, at, p, stride, n, head, h0, 2, d0, add, out, codes); break;
+            case 3: weigh_slice(values, at, p, stride, n, head, h0, 3, d0, add, out, codes); break;
+            default: weigh_slice(values, at, p, stride, n, head, h0, 4, d0, add, out, codes); break;
             }
         }
     }
@@ -223,7 +287,10 @@ typedef struct {
     int64_t b, kvh, past;
     int group, head;
     float alpha;
-    const float *keys, *values;
+    const void *keys, *values; /* the row's cache from position `base`: floats, or int8 codes (codes) */
+    int64_t base;
+    int codes;
+    const float *k_scale, *v_scale; /* this kv head's channel scales, when codes */
 } Task;
 
 static void rotate_query(const Task *t, int64_t s, float *rotated) {
@@ -243,34 +310,56 @@ static float *output_of(const Task *t, int64_t s) {
 
 /* One query (a decode step's): its group's heads score each key with dots16, 16 keys at a time
  * while 16 keys fit in the buffer (past the row's end they are read, their scores never used),
- * plain dot products for the rest. scratch: group x (head + keys) floats. */
-static void attend_one(const Task *t, int64_t s, float *scratch) {
+ * plain dot products for the rest. Over int8 codes, q . (code x k_scale) = (q x k_scale) . code
+ * and the values' sum takes v_scale once at the end, so the loops read the codes as they are (a
+ * quarter of a float cache's bytes). scratch: group x (head + keys) floats. */
+static inline __attribute__((always_inline)) void attend_one_over(const Task *t, int64_t s, float *scratch,
+                                                                  int codes) {
     const int group = t->group, head = t->head;
     int64_t lo, end;
     key_range(t->g, t->past, s, &lo, &end);
     const int64_t n = end - lo;
     float *queries = scratch, *scores = scratch + group * head;
     rotate_query(t, s, queries);
+    if (codes)
+        for (int i = 0; i < group * head; i++) queries[i] *= t->k_scale[i % head];
     int64_t j = 0;
     for (; j < n && lo + j + 16 <= t->g->present_len; j += 16) {
-        const float *k = t->keys + (lo + j) * head;
+        const int64_t at = (lo + j - t->base) * head;
         const int64_t used = n - j < 16 ? n - j : 16;
         for (int h = 0; h < group; h++) {
-            store_scores(scores + h * n + j, dots16(queries + h * head, k, head) * t->alpha, used);
+            store_scores(scores + h * n + j, dots16(queries + h * head, t->keys, at, head, codes) * t->alpha, used);
         }
     }
     for (; j < n; j++) {
-        const float *k = t->keys + (lo + j) * head;
+        const int64_t at = (lo + j - t->base) * head;
         for (int h = 0; h < group; h++) {
             const float *q = queries + h * head;
             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-            for (int d = 0; d < head; d++) dot += q[d] * k[d];
+            for (int d = 0; d < head; d++) dot += q[d] * cached(t->keys, at + d, codes);
             scores[h * n + j] = dot * t->alpha;
         }
     }
     for (int h = 0; h < group; h++) softmax(scores + h * n, n, t->g->softcap);
-    weigh_values(t->values + lo * head, scores, n, n, group, head, 0, output_of(t, s));
+    float *out = output_of(t, s);
+    weigh_values(t->values, (lo - t->base) * head, scores, n, n, group, head, 0, out, codes);
+    if (codes)
+        for (int i = 0; i < group * head; i++) out[i] *= t->v_scale[i % head];
+}
+
+static void attend_one(const Task *t, int64_t s, float *scratch) {
+    if (t->codes)
+        attend_one_over(t, s, scratch, 1);
+    else
+        attend_one_over(t, s, scratch, 0);
+}
+
+/* The keys any query of [first, last) attends to: [lo, end). */
+static void block_keys(const Task *t, int64_t first, int64_t last, int64_t *lo, int64_t *end) {
+    int64_t unused;
+    key_range(t->g, t->past, first, lo, &unused);
+    key_range(t->g, t->past, last - 1, &unused, end);
 }
 
 /* A block of a prompt's queries [first, last): each 16 keys are transposed once into [head][16]
@@ -281,9 +370,8 @@ static void attend_one(const Task *t, int64_t s, float *scratch) {
 static void attend_block(const Task *t, int64_t first, int64_t last, float *scratch) {
     const int group = t->group, head = t->head;
     const int64_t rows = (last - first) * group, padded = (rows + 7) / 8 * 8;
-    int64_t block_lo, unused, block_end;
-    key_range(t->g, t->past, first, &block_lo, &unused);
-    key_range(t->g, t->past, last - 1, &unused, &block_end);
+    int64_t block_lo, block_end;
+    block_keys(t, first, last, &block_lo, &block_end);
     const int64_t width = block_end - block_lo;
     float *queries = scratch;                    /* padded x head, rows past `rows` zero */
     float *scores = queries + padded * head;     /* padded x width */
@@ -293,7 +381,8 @@ static void attend_block(const Task *t, int64_t first, int64_t last, float *scra
     for (int64_t j0 = block_lo; j0 < block_end; j0 += 16) {
         const int64_t count = block_end - j0 < 16 ? block_end - j0 : 16;
         for (int d = 0; d < head; d++)
-            for (int j = 0; j < 16; j++) transposed[d * 16 + j] = j < count ? t->keys[(j0 + j) * head + d] : 0.0f;
+            for (int j = 0; j < 16; j++)
+                transposed[d * 16 + j] = j < count ? ((const float *)t->keys)[(j0 + j - t->base) * head + d] : 0.0f;
         /* 8 query vectors at a time: 8 independent chains of multiply-adds share each load */
         for (int64_t r0 = 0; r0 < padded; r0 += 8) {
             v16 sums[8];
@@ -322,9 +411,28 @@ static void attend_block(const Task *t, int64_t first, int64_t last, float *scra
             const int64_t a = t0 > lo ? t0 : lo, b = t1 < end ? t1 : end;
             if (a >= b) continue; /* the tile holding lo starts each query's sums: a == lo there */
             const float *p = scores + (s - first) * group * width + (a - block_lo);
-            weigh_values(t->values + a * head, p, width, b - a, group, head, a != lo, output_of(t, s));
+            weigh_values(t->values, (a - t->base) * head, p, width, b - a, group, head, a != lo, output_of(t, s), 0);
         }
     }
+}
+
+/* A prompt block over an int8 cache: the keys and values it reads, as floats (code x scale, as
+ * onnxruntime dequantizes them) in `into` (2 x keys x head floats), and t made to read those. A
+ * block reads each key for 32 queries, so converting them once costs little beside its work. */
+static void dequantize_block(Task *t, int64_t first, int64_t last, float *into) {
+    const int head = t->head;
+    int64_t lo, end;
+    block_keys(t, first, last, &lo, &end);
+    float *keys = into, *values = into + (end - lo) * head;
+    const int8_t *key_codes = (const int8_t *)t->keys + lo * head, *value_codes = (const int8_t *)t->values + lo * head;
+    for (int64_t i = 0; i < (end - lo) * head; i++) {
+        keys[i] = (float)key_codes[i] * t->k_scale[i % head];
+        values[i] = (float)value_codes[i] * t->v_scale[i % head];
+    }
+    t->keys = keys;
+    t->values = values;
+    t->base = lo;
+    t->codes = 0;
 }
 
 /* Prompts (several queries a task) take attend_block. */
@@ -341,10 +449,15 @@ static int64_t most_keys(const GqaShape *g) {
     return g->window > 0 && g->window < most ? g->window : most;
 }
 
+/* attend_block's scratch; dequantize_block's follows it. */
 static size_t block_scratch_floats(const GqaShape *g) {
     const int64_t group = g->heads / g->kv_heads, padded = (g->query_block * group + 7) / 8 * 8;
     const int64_t width = g->query_block + most_keys(g);
     return (size_t)(padded * (g->head + width) + g->head * 16);
+}
+
+static size_t dequantized_floats(const GqaShape *g) {
+    return g->k_scale != NULL ? (size_t)(2 * (g->query_block + most_keys(g)) * g->head) : 0;
 }
 
 int64_t gqa_attend_tasks(const GqaShape *g) {
@@ -354,7 +467,7 @@ int64_t gqa_attend_tasks(const GqaShape *g) {
 size_t gqa_scratch_floats(const GqaShape *g) {
     const int64_t group = g->heads / g->kv_heads;
     const size_t one = (size_t)(group * (g->head + most_keys(g)));
-    return blocked(g) ? block_scratch_floats(g) : one;
+    return blocked(g) ? block_scratch_floats(g) + dequantized_floats(g) : one;
 }
 
 /* Task (b, kv head, block of queries): each key and value is loaded once for all the group's
@@ -368,9 +481,15 @@ void gqa_attend_task(const GqaShape *g, int64_t task, float *scratch) {
     t.alpha = g->scale == 0.0f ? 1.0f / sqrtf((float)g->head) : g->scale;
     t.keys = cache_row(g->present_key, g, t.b, t.kvh);
     t.values = cache_row(g->present_value, g, t.b, t.kvh);
+    t.codes = g->k_scale != NULL;
+    if (t.codes) {
+        t.k_scale = g->k_scale + t.kvh * g->head;
+        t.v_scale = g->v_scale + t.kvh * g->head;
+    }
     const int64_t first = (task % blocks) * g->query_block;
     const int64_t last = first + g->query_block < g->seq ? first + g->query_block : g->seq;
     if (blocked(g)) {
+        if (t.codes) dequantize_block(&t, first, last, scratch + block_scratch_floats(g));
         attend_block(&t, first, last, scratch);
         return;
     }

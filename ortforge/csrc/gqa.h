@@ -15,8 +15,15 @@ typedef struct {
     int32_t first_prompt; /* seq == total_sequence_length */
     float scale, softcap;
     const int32_t *seqlens_k;
-    const float *query, *key, *value, *past_key, *past_value, *cos_cache, *sin_cache;
-    float *output, *present_key, *present_value;
+    const float *query, *key, *value;
+    const void *past_key, *past_value; /* floats, or int8 codes when k_scale is set */
+    const float *cos_cache, *sin_cache;
+    float *output;
+    void *present_key, *present_value;
+    /* An int8 cache (onnxruntime's k_quant_type = v_quant_type = PER_CHANNEL, kv_cache_bit_width 8):
+     * [kv_heads, head] scales, a channel's code its value x (1 / scale) rounded to the nearest (ties
+     * to even) and saturated to [-128, 127]. NULL: the cache holds floats. */
+    const float *k_scale, *v_scale;
 } GqaShape;
 
 void gqa_write_task(const GqaShape *g, int64_t task);

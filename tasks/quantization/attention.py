@@ -10,7 +10,9 @@ say whether it holds.
 
 The kernel implements what onnxruntime-genai's builder writes: nine inputs (no attention bias,
 position ids or sinks), rotary inside and not interleaved, no smooth softmax, a head size that is a
-multiple of 16. Anything else is refused here, in one line, before the variant is built.
+multiple of 16; and the int8 cache tasks/quantization/kv_cache.py writes (inputs k_scale and v_scale,
+per channel), which it reads without turning it back into floats. Anything else is refused here, in
+one line, before the variant is built.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from tasks.quantization import kv_cache
 
 STOCK_DOMAIN = "com.microsoft"
 INPUTS = 9  # query, key, value, past_key, past_value, seqlens_k, total_sequence_length, cos_cache, sin_cache
+CACHE_SCALES = (kv_cache.K_SCALE_INPUT, kv_cache.V_SCALE_INPUT)  # an int8 cache's, which the kernel takes too
 REQUIRED_ATTRIBUTES = {"do_rotary": 1, "rotary_interleaved": 0, "smooth_softmax": 0}  # value when unset: 0
 HEAD_MULTIPLE = 16  # the kernel's vectors: 16 floats
 
@@ -37,9 +40,9 @@ def unsupported(node, head_dim: int) -> str | None:
     import onnx
 
     attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-    extra = [name for name in node.input[INPUTS:] if name]
+    extra = [name for index, name in enumerate(node.input) if name and index >= INPUTS and index not in CACHE_SCALES]
     if extra:
-        return f"it has inputs beyond the nine the kernel takes ({', '.join(extra)})"
+        return f"it has inputs beyond the nine the kernel takes and an int8 cache's scales ({', '.join(extra)})"
     for name, wanted in REQUIRED_ATTRIBUTES.items():
         if attributes.get(name, 0) != wanted:
             return f"its {name} is {attributes.get(name, 0)} and the kernel implements {name}={wanted} only"
@@ -72,7 +75,8 @@ def use_ortforge_kernel(graph) -> None:
     import onnx
 
     for node in attention_nodes(graph):
-        del node.input[INPUTS:]
+        while len(node.input) > INPUTS and not node.input[-1]:
+            del node.input[-1]
         node.domain = custom_ops.DOMAIN
     if not any(opset.domain == custom_ops.DOMAIN for opset in graph.opset_import):
         graph.opset_import.append(onnx.helper.make_opsetid(custom_ops.DOMAIN, 1))

@@ -15,6 +15,7 @@ from pydantic import Field, TypeAdapter, model_validator
 from tasks.core.schema import Bool, Float, Int, Strict
 
 KV_CACHE_BITS = {"float": None, "int8": 8, "int4": 4}
+ORTFORGE_KERNEL_CACHES = ("float", "int8")  # what ortforge/csrc/gqa.c reads (no packed 4-bit codes)
 
 
 class Recipe(Strict):
@@ -41,10 +42,10 @@ class Recipe(Strict):
 
     @model_validator(mode="after")
     def _attention_kernel_takes_the_cache(self) -> Recipe:
-        if self.attention == "ortforge" and self.kv_cache != "float":
+        if self.attention == "ortforge" and self.kv_cache not in ORTFORGE_KERNEL_CACHES:
             raise ValueError(
-                f"attention: ortforge reads a float KV cache and kv_cache is {self.kv_cache}: "
-                "set kv_cache: float, or attention: onnxruntime"
+                f"attention: ortforge reads a float or int8 KV cache and kv_cache is {self.kv_cache}: "
+                "set kv_cache: int8, or attention: onnxruntime"
             )
         return self
 
