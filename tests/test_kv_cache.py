@@ -127,6 +127,9 @@ def test_validate_checks_the_cache_is_what_the_name_says(built, kv_variants, par
     written = json.loads(report.read_text())
     assert written["passed"] and written["checks"]["kv_cache_as_asked"]["passed"]
     assert written["coverage"]["kv_cache"] == {"asked": "int8", "stored_bits": 8, "as_asked": True}
+    # Rows and pieces are proven over the float-cache twin, where float rounding cannot flip codes.
+    assert written["kv_check"]["deployment_proven_over_float_cache"]
+    assert written["deployment"]["batched_rows"] and written["deployment"]["prefill_pieces"]
     # A variant whose manifest says int8 over a float cache is not what its name says.
     claimed = tmp_path / "claimed"
     shutil.copytree(built["fp32"], claimed)
@@ -177,7 +180,11 @@ def test_the_cache_gates_see_the_quantized_cache_error(built, kv_variants, param
     )
     costs = [text["kv_cache_kl"] for text in good["texts"].values()]
     assert len(costs) == 2 and all(0 < cost < 0.01 for cost in costs)
-    assert good["kv_check"] == {"float_compute": True, "quantized_cache_against_float_cache": True}
+    proven_over_float_cache = {"deployment_proven_over_float_cache": True}
+    assert (
+        good["kv_check"]
+        == {"float_compute": True, "quantized_cache_against_float_cache": True} | proven_over_float_cache
+    )
     clipped = with_kv_scales_times(kv_variants["int4_kv8"], tmp_path / "clipped", 0.02)
     with pytest.raises(validate.ValidationFailed, match=r"kv_cache_kl\[GPL-3.txt\] [\d.e-]+ > 0.01") as failed:
         validate.run(params.validation.eval, asked, clipped, built["reference"], tmp_path / "bad.json", "int4_kv8")
