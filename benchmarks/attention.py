@@ -7,7 +7,9 @@ rows), but each row of a step has a KV cache of its own, so attention's work gro
 whatever the kernel. What is left to win is the cost per row: this times a decode step of 1, 4 and
 8 rows at several context lengths, and a one-row prompt's prefill, with the float cache the variants
 keep by default and the int8 cache `kv_cache: int8` stores (static per-channel scales, onnxruntime
-1.32's quantized GroupQueryAttention), so the choice of cache is a measured trade.
+1.32's quantized GroupQueryAttention), so the choice of cache is a measured trade; and the same node
+on ortforge's kernel (ortforge/csrc, `attention: ortforge`), in a session on the same threads, so
+the choice of kernel is one too.
 
 Each configuration cycles through as many distinct KV buffers as the model has layers, so the runs
 read what a whole step reads (each layer its own cache; one small buffer run again and again would
@@ -18,8 +20,10 @@ hundred times larger made softmax underflow into denormal floats, and a float st
 
     python benchmarks/attention.py [--models smollm2-135m,gemma3-270m,llama-3.2-1b] [--rows 1,4,8]
                                    [--contexts 128,1024] [--prompts 128,1024] [--rounds 3]
+                                   [--kernels onnxruntime,ortforge]
 
-Writes benchmarks/results/attention.json and prints the table. Needs no build.
+Writes benchmarks/results/attention.json and prints the table. Needs no build; ortforge's kernel
+needs a C compiler (--kernels onnxruntime without one).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks import provenance  # noqa: E402
 from benchmarks.kernels import ratio  # noqa: E402  (a step's time at some rows over one row's)
+from ortforge import custom_ops  # noqa: E402
 from tasks.core.files import atomic_write_json  # noqa: E402
 from tasks.quantization import kv_cache  # noqa: E402
 
@@ -50,12 +55,16 @@ SHAPES = {
     "llama-3.1-8b": (32, 8, 128, 32),
 }
 CACHES = {"float": None, "int8": 8}  # kv_cache as params.yaml names it: its stored bits
+KERNELS = {"onnxruntime": "com.microsoft", "ortforge": custom_ops.DOMAIN}  # attention: as params.yaml names it
 TIMED_SECONDS = 1.0
 
 
-def attention_model(heads: int, kv_heads: int, head_dim: int, bits: int | None, **attributes) -> bytes:
-    """One GroupQueryAttention node as the variants' graphs hold it, its past and present one buffer;
-    attributes beyond the default ones (local_window_size, softcap, scale) as given."""
+def attention_model(
+    heads: int, kv_heads: int, head_dim: int, bits: int | None, kernel: str = "onnxruntime", **attributes
+) -> bytes:
+    """One GroupQueryAttention node as the variants' graphs hold it, its past and present one buffer,
+    in the domain of the kernel that runs it (KERNELS); attributes beyond the default ones
+    (local_window_size, softcap, scale) as given."""
     from onnx import TensorProto, helper
 
     stored = TensorProto.INT8 if bits else TensorProto.FLOAT
@@ -87,9 +96,9 @@ def attention_model(heads: int, kv_heads: int, head_dim: int, bits: int | None, 
         initializers = [helper.make_tensor(n, TensorProto.FLOAT, dims, scale) for n in ("k_scale", "v_scale")]
         attributes |= {"k_quant_type": "PER_CHANNEL", "v_quant_type": "PER_CHANNEL", "kv_cache_bit_width": bits}
     outputs_named = [o.name for o in outputs]
-    node = helper.make_node("GroupQueryAttention", names, outputs_named, domain="com.microsoft", **attributes)
+    node = helper.make_node("GroupQueryAttention", names, outputs_named, domain=KERNELS[kernel], **attributes)
     graph = helper.make_graph([node], "attention", inputs, outputs, initializers)
-    opsets = [helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)]
+    opsets = [helper.make_opsetid("", 21), helper.make_opsetid(KERNELS[kernel], 1)]
     return helper.make_model(graph, opset_imports=opsets).SerializeToString()
 
 
@@ -151,37 +160,46 @@ def time_calls(calls: list) -> float:
     return float(np.median(times))
 
 
-def measure(model: str, rows: list[int], contexts: list[int], prompts: list[int], threads: int, rounds: int) -> dict:
-    """Microseconds per layer of each cache's decode steps (by context, then rows) and prefills (by
-    prompt tokens), as a model's one attention layer runs them: the median over rounds, each round
-    timing every configuration once (so a slow spell of the machine touches them all alike)."""
+def measure(
+    model: str, rows: list[int], contexts: list[int], prompts: list[int], threads: int, rounds: int,
+    kernels: tuple[str, ...] = ("onnxruntime",),
+) -> dict:  # fmt: skip
+    """Microseconds per layer of each kernel's decode steps over each cache (by context, then rows)
+    and prefills (by prompt tokens), as a model's one attention layer runs them: the median over
+    rounds, each round timing every configuration once (so a slow spell of the machine touches them
+    all alike)."""
     import onnxruntime as ort
 
     heads, kv_heads, head_dim, layers = SHAPES[model]
     shape = (heads, kv_heads, head_dim)
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
-    configurations, kept = {}, []  # (cache, figure, length, rows) -> (session, bindings); their buffers
-    for cache, bits in CACHES.items():
-        session = ort.InferenceSession(attention_model(*shape, bits), options, providers=["CPUExecutionProvider"])
-        wanted = [("decode_us_per_layer", context, r, 1, context) for context in contexts for r in rows]
-        wanted += [("prefill_us_per_layer", tokens, 1, tokens, 0) for tokens in prompts]
-        for figure, length, r, new, held in wanted:
-            runs, buffers = bindings(session, shape, r, new, held, bits, layers)
-            configurations[(cache, figure, str(length), str(r))] = (session, runs)
-            kept.append(buffers)
+    if "ortforge" in kernels:
+        options.register_custom_ops_library(str(custom_ops.library()))
+    configurations, kept = {}, []  # (kernel, cache, figure, length, rows) -> (session, bindings); their buffers
+    for kernel in kernels:
+        for cache, bits in CACHES.items():
+            graph = attention_model(*shape, bits, kernel)
+            session = ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
+            wanted = [("decode_us_per_layer", context, r, 1, context) for context in contexts for r in rows]
+            wanted += [("prefill_us_per_layer", tokens, 1, tokens, 0) for tokens in prompts]
+            for figure, length, r, new, held in wanted:
+                runs, buffers = bindings(session, shape, r, new, held, bits, layers)
+                configurations[(kernel, cache, figure, str(length), str(r))] = (session, runs)
+                kept.append(buffers)
     times = {key: [] for key in configurations}
     for _ in range(rounds):
         for key, (session, runs) in configurations.items():
             times[key].append(time_runs(session, runs) * 1e6)
-    found = {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "layers": layers, "caches": {}}
-    for (cache, figure, length, r), measured in times.items():
-        figures = found["caches"].setdefault(cache, {"decode_us_per_layer": {}, "prefill_us_per_layer": {}})
+    found = {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim, "layers": layers, "kernels": {}}
+    for (kernel, cache, figure, length, r), measured in times.items():
+        empty = {"decode_us_per_layer": {}, "prefill_us_per_layer": {}}
+        figures = found["kernels"].setdefault(kernel, {}).setdefault(cache, empty)
         if figure == "decode_us_per_layer":
             figures[figure].setdefault(length, {})[r] = float(np.median(measured))
         else:
             figures[figure][length] = float(np.median(measured))
-    print(f"  {model}: {found['caches']}", flush=True)
+    print(f"  {model}: {found['kernels']}", flush=True)
     return found
 
 
@@ -192,32 +210,39 @@ def onnxruntime_version() -> str:
 
 
 def table(report: dict) -> str:
-    """One row per model, cache and context: decode microseconds per layer at each row count, the
+    """One row per model, context, kernel and cache: decode microseconds per layer at each row count, the
     growth to the most rows, and the prefill times (one-row prompts) beside it."""
     rows, prompts, most = report["rows"], report["prompts"], max(report["rows"])
-    head = "| model (heads / kv heads x dim) | cache | context | " + " | ".join(
+    head = "| model (heads / kv heads x dim) | kernel | cache | context | " + " | ".join(
         f"step us, {r} row{'s' * (r > 1)}" for r in rows
     )
     head += f" | x at {most} rows | " + " | ".join(f"prefill {t} tokens, us" for t in prompts) + " |"
-    lines = [head, "|---|---|---|" + "---|" * (len(rows) + 1 + len(prompts))]
+    lines = [head, "|---|---|---|---|" + "---|" * (len(rows) + 1 + len(prompts))]
 
     def size(item):
         return item[1]["heads"] * item[1]["head_dim"] * item[1]["layers"]
 
     for model, found in sorted(report["models"].items(), key=size):  # the smallest first; the rest as asked
         label = f"{model} ({found['heads']} / {found['kv_heads']} x {found['head_dim']})"
-        for cache in [c for c in CACHES if c in found["caches"]]:
-            figures = found["caches"][cache]
-            for context in map(str, report["contexts"]):
-                times = figures["decode_us_per_layer"][context]
-                cells = " | ".join(f"{times[str(r)]:,.0f}" for r in rows)
-                grown = ratio(times, most)
-                prefill = " | ".join(f"{figures['prefill_us_per_layer'][str(t)]:,.0f}" for t in prompts)
-                lines.append(
-                    f"| {label} | {cache} | {int(context):,} | {cells} | "
-                    f"{'-' if grown is None else f'x{grown:.2f}'} | {prefill} |"
-                )
+        for context in map(str, report["contexts"]):
+            for kernel, caches in found["kernels"].items():
+                for cache in [c for c in CACHES if c in caches]:
+                    figures = caches[cache]
+                    times = figures["decode_us_per_layer"][context]
+                    cells = " | ".join(f"{times[str(r)]:,.0f}" for r in rows)
+                    grown = ratio(times, most)
+                    prefill = " | ".join(f"{figures['prefill_us_per_layer'][str(t)]:,.0f}" for t in prompts)
+                    lines.append(
+                        f"| {label} | {kernel} | {cache} | {int(context):,} | {cells} | "
+                        f"{'-' if grown is None else f'x{grown:.2f}'} | {prefill} |"
+                    )
     return "\n".join(lines)
+
+
+def compiler_version() -> str:
+    from benchmarks import attention_kernel  # it imports this module
+
+    return attention_kernel.compiler_version()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,11 +253,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", default="128,1024", help="one-row prompts to prefill")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--rounds", type=int, default=3, help="every configuration timed once per round")
+    parser.add_argument("--kernels", default=",".join(KERNELS), help="whose GroupQueryAttention runs the node")
     args = parser.parse_args(argv)
-    models = args.models.split(",")
+    models, kernels = args.models.split(","), tuple(args.kernels.split(","))
     unknown = [m for m in models if m not in SHAPES]
     if unknown:
         raise SystemExit(f"error: unknown model {unknown[0]}; pick from {', '.join(SHAPES)}")
+    if set(kernels) - set(KERNELS):
+        raise SystemExit(f"error: unknown kernel in --kernels {args.kernels}; pick from {', '.join(KERNELS)}")
+    if "ortforge" in kernels:
+        try:
+            custom_ops.library()
+        except custom_ops.KernelUnavailable as error:
+            raise SystemExit(f"error: {error} (or pass --kernels onnxruntime)") from None
     numbers = {key: [int(n) for n in getattr(args, key).split(",")] for key in ("rows", "contexts", "prompts")}
     if 1 not in numbers["rows"]:
         raise SystemExit("error: --rows must include 1 (each step's growth is against one row)")
@@ -242,9 +275,10 @@ def main(argv: list[str] | None = None) -> int:
         "cpus": os.cpu_count(),
         "threads": args.threads,
         "rounds": args.rounds,
+        "compiler": compiler_version() if "ortforge" in kernels else None,
         **numbers,
         "models": {
-            m: measure(m, numbers["rows"], numbers["contexts"], numbers["prompts"], args.threads, args.rounds)
+            m: measure(m, numbers["rows"], numbers["contexts"], numbers["prompts"], args.threads, args.rounds, kernels)
             for m in models
         },
     }

@@ -91,7 +91,7 @@ def test_a_step_that_ran_at_the_defaults_says_so(specs):
     assert rows[1].startswith(f"| + tuned session settings ({elsewhere}) |") and rows[2].startswith("| + I/O binding |")
 
 
-def test_attention_times_each_cache_at_each_row_count_and_writes_in_place(monkeypatch):
+def test_attention_times_each_kernel_and_cache_at_each_row_count_and_writes_in_place(monkeypatch, kernel_library):
     """The attention benchmark on a tiny shape: both caches, every row count and prompt, its table;
     and a step writes the new token into the bound buffer at its position, as BatchDecoder's do."""
     import onnxruntime as ort
@@ -100,19 +100,27 @@ def test_attention_times_each_cache_at_each_row_count_and_writes_in_place(monkey
 
     monkeypatch.setattr(attention, "TIMED_SECONDS", 0.01)
     monkeypatch.setitem(attention.SHAPES, "tiny", (4, 2, 16, 2))
-    found = attention.measure("tiny", rows=[1, 2], contexts=[8], prompts=[4], threads=1, rounds=2)
-    assert set(found["caches"]) == {"float", "int8"}
-    for figures in found["caches"].values():
-        assert set(figures["decode_us_per_layer"]["8"]) == {"1", "2"} and set(figures["prefill_us_per_layer"]) == {"4"}
+    kernels = tuple(attention.KERNELS)
+    found = attention.measure("tiny", rows=[1, 2], contexts=[8], prompts=[4], threads=1, rounds=2, kernels=kernels)
+    assert set(found["kernels"]) == set(kernels)
+    for caches in found["kernels"].values():
+        assert set(caches) == {"float", "int8"}
+        for figures in caches.values():
+            assert set(figures["decode_us_per_layer"]["8"]) == {"1", "2"}
+            assert set(figures["prefill_us_per_layer"]) == {"4"}
     lines = attention.table({"rows": [1, 2], "contexts": [8], "prompts": [4], "models": {"tiny": found}}).splitlines()
-    assert len(lines) == 4 and lines[-1].startswith("| tiny (4 / 2 x 16) | int8 | 8 | ")
-    for bits in (None, 8):
-        session = ort.InferenceSession(attention.attention_model(4, 2, 16, bits), providers=["CPUExecutionProvider"])
-        (binding,), (key, _value) = attention.bindings(session, (4, 2, 16), 2, 1, 8, bits, 1)
-        before = key.copy()
-        session.run_with_iobinding(binding)
-        changed = np.flatnonzero((key != before).any(axis=(1, 3)).any(axis=0))
-        assert changed.tolist() == [8] and np.isfinite(binding.get_outputs()[0].numpy()).all()
+    assert len(lines) == 6 and lines[-1].startswith("| tiny (4 / 2 x 16) | ortforge | int8 | 8 | ")
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(str(kernel_library))
+    for kernel in kernels:
+        for bits in (None, 8):
+            graph = attention.attention_model(4, 2, 16, bits, kernel)
+            session = ort.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
+            (binding,), (key, _value) = attention.bindings(session, (4, 2, 16), 2, 1, 8, bits, 1)
+            before = key.copy()
+            session.run_with_iobinding(binding)
+            changed = np.flatnonzero((key != before).any(axis=(1, 3)).any(axis=0))
+            assert changed.tolist() == [8] and np.isfinite(binding.get_outputs()[0].numpy()).all()
 
 
 def test_attention_kernel_times_both_kernels_and_tabulates(monkeypatch, hand_written_kernel):
